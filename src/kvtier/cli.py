@@ -16,6 +16,10 @@ from kvtier.errors import KvtierError
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvtier.plan.command", "KV bytes, what fits where, transfer vs recompute times"),
+    "analyze": (
+        "kvtier.analyze.command",
+        "new/continuing/resumed turns, gaps, prefix sharing, KV a workload implies",
+    ),
     "model": (
         "kvtier.models.command",
         "locate/convert the embedded model, run a generation smoke test",

@@ -1,0 +1,122 @@
+"""Seeded synthetic chat sessions: arrivals, turns, pauses and real-prose messages.
+
+The model, per session:
+
+- sessions arrive as a renewal process with Gamma-distributed gaps of mean `1/session_rate`
+  and coefficient of variation `arrival_cv` (cv 1 is a Poisson process; above 1, bursts);
+- each session picks an app (its system prompt) and a tenant uniformly; with probability
+  `document_share` its first message carries a document of `document_tokens`;
+- after each turn the user leaves with probability `1/mean_turns` (abandonment, so turns per
+  session are geometric with that mean, capped at `max_turns`); otherwise they return after a
+  think time drawn from a two-part mixture: a quick follow-up (lognormal, median
+  `followup_median_s`) with probability `followup_share`, else a pause of minutes (lognormal,
+  median `pause_median_s`);
+- the next turn arrives `output_tokens / decode_tok_s` (the answer being written) plus that
+  think time after the previous one.
+
+One numpy Generator drives every draw in a fixed order, so a seed fixes the whole workload.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvtier.workload.config import GeneratorConfig
+from kvtier.workload.model import Session, Turn, Workload
+from kvtier.workload.presets import preset_config
+from kvtier.workload.text import Corpus, LengthFn, approx_tokens, load_corpus
+
+
+def generate(
+    config: GeneratorConfig | str = "quick", seed: int = 0, length: LengthFn = approx_tokens
+) -> Workload:
+    """A workload from a config or preset name. `length` measures text in tokens (a
+    tokenizer's `lambda s: len(tok.encode(s))`, or the 1.3 tokens/word estimate)."""
+    name = config if isinstance(config, str) else "custom"
+    if isinstance(config, str):
+        config = preset_config(config)
+    rng = np.random.default_rng(seed)
+    corpus = load_corpus()
+    system_prompts = [
+        corpus.text_of_tokens(rng, config.system_prompt_tokens, length)
+        if config.system_prompt_tokens
+        else ("", 0)
+        for _ in range(config.apps)
+    ]
+    starts = session_starts(rng, config.sessions, config.session_rate, config.arrival_cv)
+    sessions = []
+    for index, start in enumerate(starts):
+        app = int(rng.integers(config.apps))
+        tenant = int(rng.integers(config.tenants))
+        system_prompt, system_tokens = system_prompts[app]
+        session = Session(
+            session_id=f"s{index:05d}",
+            turns=_turns(rng, config, corpus, length, float(start)),
+            tenant=f"tenant{tenant}",
+            app_class=f"app{app}",
+            system_prompt=system_prompt,
+            system_tokens=system_tokens,
+        )
+        sessions.append(session)
+    return Workload(
+        sessions=sessions,
+        source=f"generator preset={name} seed={seed}",
+        block_size=config.block_size,
+        max_history_tokens=config.max_history_tokens,
+    )
+
+
+def session_starts(rng: np.random.Generator, count: int, rate: float, cv: float) -> np.ndarray:
+    """Arrival times of `count` sessions, the first at 0: Gamma gaps of mean 1/rate, cv `cv`."""
+    shape = 1.0 / cv**2
+    gaps = rng.gamma(shape, 1.0 / (rate * shape), size=count - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def think_time(rng: np.random.Generator, config: GeneratorConfig) -> float:
+    """The user's pause before returning: a quick follow-up or a pause of minutes."""
+    if rng.random() < config.followup_share:
+        median, sigma = config.followup_median_s, config.followup_sigma
+    else:
+        median, sigma = config.pause_median_s, config.pause_sigma
+    return float(rng.lognormal(math.log(median), sigma))
+
+
+def next_arrival(previous: Turn, think_s: float, decode_tok_s: float) -> float:
+    """When the next turn arrives: after the previous answer is written and the user thinks."""
+    return previous.arrival_s + previous.output_tokens / decode_tok_s + think_s
+
+
+def _turns(
+    rng: np.random.Generator,
+    config: GeneratorConfig,
+    corpus: Corpus,
+    length: LengthFn,
+    start: float,
+) -> list[Turn]:
+    with_document = config.document_tokens is not None and rng.random() < config.document_share
+    turns: list[Turn] = []
+    arrival, think = start, None
+    while True:
+        target = config.user_tokens.sample(rng)
+        if with_document and not turns:
+            target += config.document_tokens.sample(rng)
+        user_text, user_tokens = corpus.text_of_tokens(rng, target, length)
+        answer_text, output_tokens = corpus.text_of_tokens(
+            rng, config.answer_tokens.sample(rng), length
+        )
+        turn = Turn(
+            arrival_s=arrival,
+            user_tokens=user_tokens,
+            output_tokens=output_tokens,
+            user_text=user_text,
+            answer_text=answer_text,
+            think_s=think,
+        )
+        turns.append(turn)
+        if len(turns) >= config.max_turns or rng.random() < config.abandon_prob:
+            return turns
+        think = think_time(rng, config)
+        arrival = next_arrival(turn, think, config.decode_tok_s)

@@ -1,0 +1,58 @@
+"""Named generator configs.
+
+- `quick`: a few dozen sessions for a short benchmark run of a 135M model on 2 CPU cores:
+  prompts stay under ~2.5K tokens (history budget 2,048) and answers are 32-64 tokens.
+- `default`: a mixed population: chats with short messages next to sessions that open with a
+  long document, four apps with their own system prompts, bursty arrivals, and about 40% of
+  returns after a pause of minutes (resumed turns are a real share).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.errors import KvtierError
+from kvtier.workload.config import GeneratorConfig
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "sessions": 24,
+        "session_rate": 0.2,
+        "mean_turns": 3.0,
+        "max_turns": 8,
+        "followup_share": 0.6,
+        "followup_median_s": 8.0,
+        "pause_median_s": 90.0,
+        "system_prompt_tokens": 96,
+        "user_tokens": {"mean": 48, "cv": 0.6, "min_tokens": 8, "max_tokens": 192},
+        "answer_tokens": {"mean": 48, "cv": 0.2, "min_tokens": 32, "max_tokens": 64},
+        "document_share": 0.25,
+        "document_tokens": {"mean": 900, "cv": 0.3, "min_tokens": 400, "max_tokens": 1500},
+        "max_history_tokens": 2048,
+    },
+    "default": {
+        "sessions": 400,
+        "session_rate": 0.2,
+        "arrival_cv": 1.5,
+        "mean_turns": 5.0,
+        "max_turns": 40,
+        "followup_share": 0.6,
+        "followup_median_s": 12.0,
+        "pause_median_s": 240.0,
+        "system_prompt_tokens": 600,
+        "apps": 4,
+        "tenants": 3,
+        "user_tokens": {"mean": 120, "cv": 1.0, "min_tokens": 4, "max_tokens": 2000},
+        "answer_tokens": {"mean": 300, "cv": 0.8, "min_tokens": 8, "max_tokens": 2048},
+        "document_share": 0.3,
+        "document_tokens": {"mean": 6000, "cv": 0.8, "min_tokens": 1000, "max_tokens": 30000},
+        "max_history_tokens": 32768,
+    },
+}
+
+
+def preset_config(name: str, **overrides: Any) -> GeneratorConfig:
+    """A preset, with any field replaced (e.g. `sessions=1000`)."""
+    if name not in PRESETS:
+        raise KvtierError(f"unknown workload preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return GeneratorConfig.from_dict({**PRESETS[name], **overrides})
