@@ -1,0 +1,331 @@
+"""Policy configuration: the `[policy]` table of kvtier.toml, then `KVTIER_POLICY__*`
+environment variables, then command-line flags, each later source overriding the earlier ones,
+validated in one place with errors that name the key, where it came from and what is allowed.
+
+Environment variables spell the key path in capitals with `__` between levels:
+`KVTIER_POLICY__NAME=offload`, `KVTIER_POLICY__COST__HORIZON_S=10`. Flags: `--policy NAME` and
+`--policy-set KEY=VALUE` (repeatable, KEY relative to [policy], e.g. `ttl.seconds.device=30`).
+Values in both are read as TOML values (`10`, `true`, `{device = 30}`), else as strings.
+docs/policy.md has a sample file and every key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.errors import KvtierError
+from kvtier.plan.geometry import load_geometry
+from kvtier.plan.hardware import DEFAULT_EFFICIENCY, get_accelerator
+from kvtier.policy.cost_model import (
+    DEFAULT_BASE_SHARE,
+    DEFAULT_GPU_DOLLARS_PER_HOUR,
+    DEFAULT_LINKS,
+    CostModel,
+    CostProfile,
+    Prices,
+    TierLink,
+)
+from kvtier.policy.predictor import GapPrior, ReusePredictor
+from kvtier.policy.ttl import DEFAULT_TTL_S
+
+ENV_PREFIX = "KVTIER_POLICY__"
+CONFIG_ENV = "KVTIER_CONFIG"  # path of kvtier.toml when no flag gives one
+DEFAULT_FILE = "kvtier.toml"
+
+TierName = Literal["device", "host", "disk", "remote"]
+LowerTier = Literal["host", "disk", "remote"]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Share = Annotated[float, Field(ge=0, lt=1)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostSection(_Section):
+    horizon_s: PositiveFloat | None = None  # None: the decision interval
+    gpu_dollars_per_hour: PositiveFloat = DEFAULT_GPU_DOLLARS_PER_HOUR
+    dollars_per_gb_hour: dict[TierName, NonNegativeFloat] = Field(default_factory=dict)
+    headroom: dict[TierName, Share] = Field(default_factory=dict)
+    base_rent_share: Annotated[float, Field(ge=0, le=1)] = DEFAULT_BASE_SHARE
+
+
+class PredictorSection(_Section):
+    max_age_s: PositiveFloat = 3600.0
+    min_gap_s: PositiveFloat = 1.0
+    bins: Annotated[int, Field(ge=2, le=4096)] = 64
+    max_keys: Annotated[int, Field(ge=1)] = 1024
+    prior_median_s: PositiveFloat = GapPrior.median_s
+    prior_sigma: PositiveFloat = GapPrior.sigma
+    prior_no_return: Share = GapPrior.no_return
+    prior_weight: NonNegativeFloat = GapPrior.weight
+
+    @model_validator(mode="after")
+    def _gap_range(self) -> PredictorSection:
+        if self.min_gap_s >= self.max_age_s:
+            raise ValueError("min_gap_s must be below max_age_s")
+        return self
+
+    def build(self) -> ReusePredictor:
+        prior = GapPrior(
+            self.prior_median_s, self.prior_sigma, self.prior_no_return, self.prior_weight
+        )
+        return ReusePredictor(
+            max_age_s=self.max_age_s,
+            min_gap_s=self.min_gap_s,
+            bins=self.bins,
+            prior=prior,
+            max_keys=self.max_keys,
+        )
+
+
+class TtlSection(_Section):
+    seconds: dict[TierName, PositiveFloat] = Field(default_factory=lambda: dict(DEFAULT_TTL_S))
+
+
+class OffloadSection(_Section):
+    watermark: Annotated[float, Field(gt=0, le=1)] = 0.9
+
+
+class LinkSection(_Section):
+    bandwidth: PositiveFloat  # bytes/s
+    latency_s: NonNegativeFloat = 0.0
+
+
+class ProfileSection(_Section):
+    """Prefill coefficients given outright, or derived from a model and an accelerator."""
+
+    model: str = "llama-3.1-8b"
+    hardware: str = "h100-sxm"
+    gpus: Annotated[int, Field(ge=1)] = 1
+    efficiency: Annotated[float, Field(gt=0, le=1)] = DEFAULT_EFFICIENCY
+    prefill_fixed_s: NonNegativeFloat | None = None
+    prefill_token_s: NonNegativeFloat | None = None
+    prefill_pair_s: NonNegativeFloat | None = None
+    links: dict[LowerTier, LinkSection] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _all_or_no_coefficients(self) -> ProfileSection:
+        given = [self.prefill_fixed_s, self.prefill_token_s, self.prefill_pair_s]
+        if any(x is not None for x in given) and any(x is None for x in given):
+            raise ValueError(
+                "give all three of prefill_fixed_s, prefill_token_s, prefill_pair_s, or none "
+                "(then they are derived from model and hardware)"
+            )
+        return self
+
+    def build(self) -> CostProfile:
+        links = {**DEFAULT_LINKS}
+        links.update(
+            {tier: TierLink(link.bandwidth, link.latency_s) for tier, link in self.links.items()}
+        )
+        if self.prefill_fixed_s is not None:
+            return CostProfile(
+                self.prefill_fixed_s, self.prefill_token_s, self.prefill_pair_s, links
+            )
+        return CostProfile.from_geometry(
+            load_geometry(self.model),
+            get_accelerator(self.hardware),
+            gpus=self.gpus,
+            efficiency=self.efficiency,
+            links=links,
+        )
+
+
+class PolicyConfig(_Section):
+    name: str = "cost"  # a shipped policy, an entry point in kvtier.policies, or module:Class
+    interval_s: PositiveFloat = 5.0  # how often the engine calls decide() on its timer
+    options: dict[str, Any] = Field(default_factory=dict)  # keyword arguments of custom policies
+    cost: CostSection = Field(default_factory=CostSection)
+    predictor: PredictorSection = Field(default_factory=PredictorSection)
+    ttl: TtlSection = Field(default_factory=TtlSection)
+    offload: OffloadSection = Field(default_factory=OffloadSection)
+    profile: ProfileSection = Field(default_factory=ProfileSection)
+
+    @property
+    def horizon_s(self) -> float:
+        return self.cost.horizon_s or self.interval_s
+
+    def cost_model(self, profile: CostProfile | None = None) -> CostModel:
+        prices = Prices.from_dollars(
+            self.cost.gpu_dollars_per_hour,
+            self.cost.dollars_per_gb_hour,
+            self.cost.headroom,
+            self.cost.base_rent_share,
+        )
+        return CostModel(profile or self.profile.build(), prices)
+
+
+class RequestOverrides(_Section):
+    """Per-request retention hints (e.g. an API request's `kvtier` field); the engine copies
+    them into the session's view."""
+
+    pin: bool = False
+    priority: Annotated[int, Field(ge=-8, le=8)] = 0
+    ttl_s: PositiveFloat | None = None
+
+
+def parse_request_overrides(data: Mapping[str, Any]) -> RequestOverrides:
+    try:
+        return RequestOverrides.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(error, "request", {}, RequestOverrides) for error in exc.errors()]
+        raise KvtierError("invalid retention hints: " + "; ".join(lines)) from None
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    settings: Sequence[str] = (),
+    policy: str | None = None,
+) -> PolicyConfig:
+    """Merge the file's [policy] table, `env` (KVTIER_POLICY__*), `settings` (KEY=VALUE) and
+    `policy` (a name), in that order, and validate. The policy name must resolve."""
+    from kvtier.policy.registry import resolve_policy  # registry imports every policy
+
+    merged: dict[str, Any] = {}
+    source: dict[tuple[str, ...], str] = {}
+    if path is not None:
+        _merge(merged, source, _read_file(Path(path)), str(path), ())
+    for variable, text in sorted((env or {}).items()):
+        if variable.startswith(ENV_PREFIX):
+            keys = tuple(variable.removeprefix(ENV_PREFIX).lower().split("__"))
+            _set(merged, source, keys, _value(text), f"environment variable {variable}")
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key.strip():
+            raise KvtierError(
+                f"--policy-set takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}"
+            )
+        keys = tuple(key.strip().split("."))
+        _set(merged, source, keys, _value(text.strip()), f"--policy-set {setting}")
+    if policy is not None:
+        _set(merged, source, ("name",), policy, "--policy")
+    try:
+        config = PolicyConfig.model_validate(merged)
+    except ValidationError as exc:
+        lines = [_describe(error, "policy", source, PolicyConfig) for error in exc.errors()]
+        raise KvtierError("invalid policy configuration: " + "; ".join(lines)) from None
+    resolve_policy(config.name)
+    return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("retention policy")
+    group.add_argument(
+        "--policy",
+        metavar="NAME",
+        help="retain, recompute, offload, ttl, cost, an installed plugin or module:Class",
+    )
+    group.add_argument(
+        "--policy-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="set a [policy] key, e.g. cost.horizon_s=10 (repeatable)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> PolicyConfig:
+    """The command's policy configuration: the file from `--config` (if the command has one),
+    else $KVTIER_CONFIG, else ./kvtier.toml when present; then the environment and flags."""
+    path = getattr(args, "config", None) or os.environ.get(CONFIG_ENV)
+    if path is None and Path(DEFAULT_FILE).is_file():
+        path = DEFAULT_FILE
+    return load_config(
+        path,
+        env=os.environ,
+        settings=getattr(args, "policy_set", []),
+        policy=getattr(args, "policy", None),
+    )
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise KvtierError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
+    table = data.get("policy", {})
+    if not isinstance(table, dict):
+        raise KvtierError(f"{path}: 'policy' must be a table ([policy]), not {table!r}")
+    return table
+
+
+def _value(text: str) -> Any:
+    """A TOML value if the text is one (10, 2.5, true, {device = 30}), else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _merge(
+    into: dict[str, Any],
+    source: dict[tuple[str, ...], str],
+    table: Mapping[str, Any],
+    label: str,
+    prefix: tuple[str, ...],
+) -> None:
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            _merge(into, source, value, label, (*prefix, key))
+        else:
+            _set(into, source, (*prefix, key), value, label)
+
+
+def _set(
+    into: dict[str, Any],
+    source: dict[tuple[str, ...], str],
+    keys: tuple[str, ...],
+    value: Any,
+    label: str,
+) -> None:
+    node = into
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+            source[keys[: depth + 1]] = label
+        node = child
+    node[keys[-1]] = value
+    source[keys] = label
+
+
+def _describe(
+    error: Mapping[str, Any],
+    root: str,
+    source: Mapping[tuple[str, ...], str],
+    model: type[BaseModel],
+) -> str:
+    loc = tuple(str(part) for part in error["loc"] if part != "[key]")
+    key = ".".join((root, *loc))
+    origin = next((source[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in source), None)
+    where = f" (from {origin})" if origin else ""
+    if error["type"] == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}"
+    message = error["msg"]
+    if error["type"] not in ("missing", "value_error"):
+        message += f", got {error['input']!r}"
+    return f"{key}{where}: {message}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
+    for part in loc:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)

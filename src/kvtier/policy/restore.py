@@ -1,0 +1,145 @@
+"""How a resumed turn gets its history's KV back: load each chunk, recompute it, or both at once.
+
+The bidirectional plan is Cake's (Jin et al., "Compute Or Load KV Cache? Why Not Both?",
+ICML'25): the GPU recomputes chunks from the front while the link loads chunks from the back,
+and the two meet at a split s. Chunk i's KV depends on the KV of every chunk before it, so
+recomputing it needs chunks 0..i-1 on the device first; loading needs nothing. Recomputing a
+prefix [0, s) and loading the suffix back to front therefore never makes either side wait:
+
+    seconds(s) = max(sum of recompute over [0, s), sum of load over [s, n))
+
+minimised over s. Loading back to front is what keeps the meeting point free: the chunks just
+after s arrive last, when the front is nearly done. Chunks already on the device cost nothing
+either way. The planner assumes one link: loads from host, disk and remote are serialised (they
+share the PCIe link into the device), and recomputes run one after another.
+
+Chunks stored nowhere must be recomputed, wherever they are. A missing chunk inside the loaded
+suffix waits until every chunk before it is on the device: those are loaded first, in order,
+the rest back to front, and the makespan comes from a step-by-step schedule. The planner tries
+every split, including s = 0 (pure load: recompute only what is missing) and s = n (pure
+recompute), so its plan is never slower than either under the cost model.
+
+The plan is the model's prediction of where the two sides meet; an executor that recomputes
+forward and loads backward until they meet (as Cake does) adapts to the real speeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Literal
+
+from kvtier.policy.cost_model import CostModel
+from kvtier.policy.view import ChunkView
+
+PlanKind = Literal["load", "recompute", "bidirectional"]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    kind: PlanKind
+    split: int  # positions [0, split) are recomputed unless on the device already
+    recompute: tuple[int, ...]  # chunk indices to prefill, in order
+    loads: tuple[int, ...]  # chunk indices to load, in issue order
+    compute_s: float  # total recompute time
+    load_s: float  # total load time
+    seconds: float  # when the whole history is on the device
+
+
+@dataclass(frozen=True)
+class _Costs:
+    chunks: tuple[ChunkView, ...]
+    compute: tuple[float, ...]  # per position; 0 for chunks on the device
+    load: tuple[float, ...]  # per position; 0 on the device, inf when stored nowhere
+
+    @classmethod
+    def of(cls, chunks: Sequence[ChunkView], model: CostModel) -> _Costs:
+        ordered = tuple(sorted(chunks, key=lambda c: c.index))
+        compute = tuple(
+            0.0 if c.tier == "device" else model.chunk_recompute_s(c.tokens, c.token_start)
+            for c in ordered
+        )
+        load = tuple(
+            math.inf if c.tier is None else model.load_s(c.size_bytes, c.tier) for c in ordered
+        )
+        return cls(ordered, compute, load)
+
+    @property
+    def last_missing(self) -> int:
+        """Position of the last chunk stored nowhere, -1 if none."""
+        return max((i for i, c in enumerate(self.chunks) if c.tier is None), default=-1)
+
+
+def plan_restore(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
+    """The fastest plan over every split; ties go to the one that recomputes less, since
+    recompute takes GPU time from other requests and loading does not."""
+    costs = _Costs.of(chunks, model)
+    n = len(costs.chunks)
+    compute_prefix = [0.0, *accumulate(costs.compute)]
+    load_suffix = [0.0, *accumulate(reversed(costs.load))][::-1]
+    best_split, best_seconds = 0, math.inf
+    for split in range(n + 1):
+        if split > costs.last_missing:
+            seconds = max(compute_prefix[split], load_suffix[split])
+        else:
+            seconds = _schedule(costs, split)[2]
+        if seconds < best_seconds:
+            best_split, best_seconds = split, seconds
+    return _plan(costs, best_split)
+
+
+def pure_load(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
+    """Load everything stored; recompute only the chunks stored nowhere."""
+    return _plan(_Costs.of(chunks, model), 0)
+
+
+def pure_recompute(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
+    """Recompute everything not on the device."""
+    costs = _Costs.of(chunks, model)
+    return _plan(costs, len(costs.chunks))
+
+
+def _plan(costs: _Costs, split: int) -> RestorePlan:
+    recompute, loads, seconds = _schedule(costs, split)
+    n = len(costs.chunks)
+    kind: PlanKind = "load" if split == 0 else "recompute" if split == n else "bidirectional"
+    index = [chunk.index for chunk in costs.chunks]
+    return RestorePlan(
+        kind=kind,
+        split=split,
+        recompute=tuple(index[i] for i in recompute),
+        loads=tuple(index[i] for i in loads),
+        compute_s=sum(costs.compute[i] for i in recompute),
+        load_s=sum(costs.load[i] for i in loads),
+        seconds=seconds,
+    )
+
+
+def _schedule(costs: _Costs, split: int) -> tuple[list[int], list[int], float]:
+    """(positions to recompute, positions to load in issue order, makespan) for a split."""
+    chunks = costs.chunks
+    recompute = [
+        i for i, c in enumerate(chunks) if (i < split and c.tier != "device") or c.tier is None
+    ]
+    loaded = [i for i, c in enumerate(chunks) if i >= split and c.tier not in ("device", None)]
+    last_recompute = recompute[-1] if recompute else -1
+    # chunks some recompute depends on go first, in order; the rest from the back
+    early = [i for i in loaded if i < last_recompute]
+    late = [i for i in reversed(loaded) if i > last_recompute]
+    arrival: dict[int, float] = {}
+    link = 0.0
+    for i in early + late:
+        link += costs.load[i]
+        arrival[i] = link
+    gpu = 0.0
+    ready = 0.0  # when every early load before the current chunk has arrived
+    early_iter = iter(early)
+    pending = next(early_iter, None)
+    for i in recompute:
+        while pending is not None and pending < i:
+            ready = arrival[pending]
+            pending = next(early_iter, None)
+        gpu = max(gpu, ready) + costs.compute[i]
+    return recompute, early + late, max(gpu, link)

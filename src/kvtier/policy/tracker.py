@@ -1,0 +1,58 @@
+"""Turns successive views into what the predictor learns from: a session came back after a gap,
+or stayed away past the cut-off age. Policies run on a timer and see only snapshots, so the
+tracker remembers how many turns each session had; sessions that leave the view are forgotten
+(memory is bounded by the sessions the engine tracks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.policy.view import PolicyView
+
+
+@dataclass(frozen=True)
+class Returned:
+    session_id: str
+    key: tuple[str, str]
+    gap_s: float  # from the end of the previous turn to this arrival
+    at: float  # arrival time
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    session_id: str
+    key: tuple[str, str]
+    at: float  # when the session's idle time passed the cut-off
+
+
+SessionEvent = Returned | Abandoned
+
+
+class TurnTracker:
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self._seen: dict[str, tuple[int, bool]] = {}  # turns seen, already counted abandoned
+
+    def update(self, view: PolicyView, now: float) -> list[SessionEvent]:
+        events: list[SessionEvent] = []
+        seen_now: dict[str, tuple[int, bool]] = {}
+        for session in sorted(view.sessions, key=lambda s: s.session_id):
+            turns = session.turns
+            # a session seen for the first time contributes from its next turn on
+            seen, abandoned = self._seen.get(session.session_id, (len(turns), False))
+            for i in range(max(seen, 1), len(turns)):
+                ended = turns[i - 1].finished
+                # a return after abandonment was already counted as "no return"
+                if ended is not None and not (abandoned and i == seen):
+                    gap = turns[i].arrival - ended
+                    events.append(
+                        Returned(session.session_id, session.reuse_key, gap, turns[i].arrival)
+                    )
+            abandoned = abandoned and len(turns) == seen
+            if not abandoned and session.idle and session.idle_s(now) >= self.max_age_s:
+                at = session.idle_since + self.max_age_s
+                events.append(Abandoned(session.session_id, session.reuse_key, at))
+                abandoned = True
+            seen_now[session.session_id] = (len(turns), abandoned)
+        self._seen = seen_now
+        return events

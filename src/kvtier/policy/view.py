@@ -1,0 +1,151 @@
+"""What a retention policy sees: a frozen snapshot the engine (or the simulator) builds each
+time it asks for a decision, on its timer or under memory pressure.
+
+A *chunk* is a run of consecutive blocks of one session that moves between tiers as a unit
+(e.g. 256 tokens): device pages are small, but small copies waste link bandwidth. Chunks are
+identified by `(session_id, chunk.index)` and cover the session's tokens in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Fastest first. Every list of tiers in this package is in this order.
+TIERS = ("device", "host", "disk", "remote")
+TIER_RANK = {name: rank for rank, name in enumerate(TIERS)}
+
+Reason = Literal["timer", "pressure"]
+
+
+@dataclass(frozen=True)
+class TurnView:
+    arrival: float  # when the request arrived
+    prompt_tokens: int  # tokens the turn added to the context (prompt + its reply)
+    finished: float | None = None  # when its reply ended; None while it runs
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    index: int
+    token_start: int
+    token_end: int
+    tier: str | None  # None: stored nowhere, recompute it
+    size_bytes: int  # in its current form
+    form: str = "full"  # "full" or a kv_dtypes name ("int8", "int4", ...)
+    last_access: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """One conversation. `active` sessions are running or queued: their KV is in use and no
+    policy touches it. Per-request overrides travel here: `pinned` (never moved or dropped),
+    `priority` (each level doubles the value the cost policy puts on its latency; LRU-based
+    policies evict lower priorities first) and `ttl_s` (kept in place for at least this long
+    after it goes idle)."""
+
+    session_id: str
+    tenant: str = "default"
+    app_class: str = "default"
+    turns: tuple[TurnView, ...] = ()
+    chunks: tuple[ChunkView, ...] = ()
+    active: bool = False
+    idle_since: float | None = None  # end of the last turn; None while active
+    pinned: bool = False
+    priority: int = 0
+    ttl_s: float | None = None
+
+    @property
+    def reuse_key(self) -> tuple[str, str]:
+        """What the reuse predictor learns gap statistics by."""
+        return (self.tenant, self.app_class)
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and self.idle_since is not None
+
+    def idle_s(self, now: float) -> float:
+        return max(0.0, now - self.idle_since) if self.idle else 0.0
+
+    def protected(self, now: float) -> bool:
+        """True while no policy may move or drop this session's KV."""
+        if self.pinned or not self.idle:
+            return True
+        return self.ttl_s is not None and self.idle_s(now) < self.ttl_s
+
+    def stored_chunks(self) -> tuple[ChunkView, ...]:
+        return tuple(chunk for chunk in self.chunks if chunk.tier is not None)
+
+
+@dataclass(frozen=True)
+class TierView:
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.used_bytes)
+
+
+@dataclass(frozen=True)
+class QueueView:
+    waiting_requests: int = 0
+    waiting_tokens: int = 0  # tokens of KV the waiting requests need on the device
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """The snapshot. `reason="pressure"` means the engine could not allocate: after the actions
+    it needs `bytes_needed` bytes free on the device (a total, not an increment)."""
+
+    sessions: tuple[SessionView, ...]
+    tiers: tuple[TierView, ...]
+    queue: QueueView = field(default_factory=QueueView)
+    bytes_per_token: int = 0  # full-form KV bytes of one token, to price the queue's needs
+    reason: Reason = "timer"
+    bytes_needed: int = 0
+
+    def __post_init__(self) -> None:
+        names = [tier.name for tier in self.tiers]
+        unknown = [name for name in names if name not in TIER_RANK]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"tiers must be distinct names from {TIERS}, got {names}")
+        # policies walk tiers fastest first; sorting here saves every one of them doing it
+        object.__setattr__(
+            self, "tiers", tuple(sorted(self.tiers, key=lambda t: TIER_RANK[t.name]))
+        )
+
+    @property
+    def pressure(self) -> bool:
+        return self.reason == "pressure"
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(tier.name for tier in self.tiers)
+
+    def tier(self, name: str) -> TierView | None:
+        return next((tier for tier in self.tiers if tier.name == name), None)
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self.queue.waiting_tokens * self.bytes_per_token
+
+    def device_shortage(self) -> int:
+        """Bytes the device must free now: what the engine asked for beyond what is free."""
+        device = self.tier("device")
+        if not self.pressure or device is None:
+            return 0
+        return max(0, self.bytes_needed - device.free_bytes)
+
+    def candidates(self, now: float) -> tuple[SessionView, ...]:
+        """Sessions a policy may act on: idle, not pinned, past any TTL override, holding KV."""
+        return tuple(
+            session
+            for session in self.sessions
+            if not session.protected(now) and session.stored_chunks()
+        )

@@ -1,0 +1,208 @@
+"""The cost policy on scenarios whose right answer is known, and its monotonicity."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.policy.actions import Drop, Move
+from kvtier.policy.cost_model import CostModel, CostProfile
+from kvtier.policy.cost_policy import CostPolicy
+from kvtier.policy.metrics import Calibration
+from kvtier.policy.predictor import ReusePredictor
+from kvtier.policy.view import TIER_RANK, QueueView, TurnView
+
+GB = 10**9
+CAPACITY = {"device": 80 * GB, "host": 200 * GB}
+DROPPED = len(TIER_RANK)  # a rank below every tier
+
+
+class FixedPredictor(ReusePredictor):
+    """Says the same probability for everyone, to set p directly."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def p_reuse(self, session: object, idle_s: float, horizon_s: float) -> float:
+        return self.p
+
+
+def ranks(kv, v, actions) -> dict[int, int]:
+    """Tier rank of each chunk of the view's only session after `actions` (drop = lowest)."""
+    where = kv.placement(v, actions)
+    return {idx: DROPPED if tier is None else TIER_RANK[tier] for (_, idx), tier in where.items()}
+
+
+def test_long_session_that_returns_soon_is_kept_or_offloaded(kv):
+    # 6K tokens cost ~4 s to recompute here; the prior alone says a return within seconds is
+    # plausible, so at no tick before it returns (20 s) may the KV be dropped
+    policy = CostPolicy(kv.slow_model())
+    v = kv.view([kv.session("a", 6144, idle_since=0.0)], CAPACITY, other_used={"device": 30 * GB})
+    for now in (0.0, 5.0, 10.0, 15.0, 20.0):
+        actions = policy.decide(v, now)
+        assert not kv.dropped(actions), now
+        v = kv.apply(v, actions)
+    assert all(c.tier is not None for c in v.sessions[0].chunks)
+
+
+def test_long_session_is_kept_when_its_class_is_known_to_return(kv):
+    predictor = ReusePredictor()
+    for gap in (12, 15, 18, 20, 22, 25) * 20:
+        predictor.record_gap(("default", "chat"), gap)
+    policy = CostPolicy(kv.slow_model(), predictor)
+    v = kv.view([kv.session("a", 6144)], CAPACITY, other_used={"device": 30 * GB})
+    for now in (5.0, 10.0, 15.0):
+        actions = policy.decide(v, now)
+        assert not kv.changes(actions)  # plenty of room: stays on the device
+        v = kv.apply(v, actions)
+
+
+def test_short_session_that_never_returns_is_dropped(kv):
+    predictor = ReusePredictor()
+    for _ in range(500):
+        predictor.record_no_return(("default", "oneshot"))
+    policy = CostPolicy(kv.slow_model(), predictor)
+    s = kv.session("b", 200, app_class="oneshot")
+    v = kv.view([s], CAPACITY, other_used={"device": 30 * GB})
+    assert kv.dropped(policy.decide(v, 60.0)) == [Drop("b", 0)]
+
+
+def test_anything_idle_past_the_cut_off_age_is_dropped(kv):
+    policy = CostPolicy(kv.slow_model())  # prior only; returns are likely early on
+    s = kv.session("a", 6144)
+    v = kv.view([s], CAPACITY)
+    assert not kv.dropped(policy.decide(v, 30.0))
+    actions = policy.decide(v, policy.predictor.max_age_s + 1)
+    assert len(kv.dropped(actions)) == len(s.chunks)
+
+
+def test_scarce_device_and_long_queue_push_idle_kv_off_the_device(kv):
+    policy = CostPolicy(kv.slow_model())
+    s = kv.session("a", 6144)
+    queue = QueueView(waiting_requests=20, waiting_tokens=20 * 4096)
+    v = kv.view([s], CAPACITY, other_used={"device": 75 * GB}, queue=queue)
+    actions = policy.decide(v, 5.0)
+    where = kv.placement(v, actions)
+    assert all(where["a", c.index] != "device" for c in s.chunks)
+    # host has room and a load is far cheaper than a 4 s recompute: offloaded, not dropped
+    assert all(where["a", c.index] == "host" for c in s.chunks)
+
+
+def test_plenty_of_free_device_memory_keeps_kv_in_place(kv):
+    policy = CostPolicy(kv.slow_model())
+    v = kv.view([kv.session("a", 6144)], CAPACITY, other_used={"device": 10 * GB})
+    assert not kv.changes(policy.decide(v, 5.0))
+
+
+def test_pressure_frees_at_least_the_bytes_asked_for(kv):
+    policy = CostPolicy(kv.slow_model())
+    sessions = [kv.session(f"s{i}", 4096) for i in range(4)]
+    per_session = 4096 * kv.BYTES_PER_TOKEN
+    need = 3 * per_session
+    cap = {"device": 4 * per_session, "host": 2 * per_session}
+    v = kv.view(sessions, cap, bytes_needed=need)
+    after = kv.apply(v, policy.decide(v, 5.0))
+    assert after.tier("device").free_bytes >= need
+
+
+def test_drops_take_leading_chunks_first(kv):
+    # a full device and a small host: the chunks that lose are the cheapest to recompute
+    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.5))
+    s = kv.session("a", 8192)
+    cap = {"device": 8192 * kv.BYTES_PER_TOKEN, "host": 4096 * kv.BYTES_PER_TOKEN}
+    v = kv.view([s], cap, bytes_needed=8192 * kv.BYTES_PER_TOKEN)
+    where = kv.placement(v, policy.decide(v, 5.0))
+    kept = [idx for (_, idx), tier in sorted(where.items()) if tier is not None]
+    assert kept == list(range(len(s.chunks) - len(kept), len(s.chunks)))
+    assert 0 < len(kept) < len(s.chunks)
+
+
+def test_pinned_and_ttl_held_sessions_are_not_touched(kv):
+    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.0))  # would drop everything
+    pinned = kv.session("p", 1024, pinned=True)
+    held = kv.session("t", 1024, ttl_s=100.0)
+    v = kv.view([pinned, held], CAPACITY)
+    assert policy.decide(v, 50.0) == []
+    assert {a.session_id for a in policy.decide(v, 150.0)} == {"t"}
+
+
+def test_priority_raises_the_value_of_a_session(kv):
+    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.02))
+    v = kv.view([kv.session("a", 512)], CAPACITY)
+    low = policy.value(v, v.sessions[0], 5.0)
+    high = policy.value(v, dataclasses.replace(v.sessions[0], priority=2), 5.0)
+    assert high[1]["device"] > low[1]["device"]
+
+
+def test_calibration_records_one_prediction_per_idle_session(kv):
+    calibration = Calibration()
+    policy = CostPolicy(kv.slow_model(), calibration=calibration, horizon_s=5.0)
+    s = kv.session("a", 512, idle_since=0.0)
+    policy.decide(kv.view([s], CAPACITY), 1.0)
+    back = dataclasses.replace(s, turns=(*s.turns, TurnView(3.0, 10)), active=True, idle_since=None)
+    policy.decide(kv.view([back], CAPACITY), 4.0)
+    assert calibration.resolved == 1
+    assert calibration.reliability()[0].observed_rate == 1.0
+
+
+# --- monotonicity ------------------------------------------------------------------------
+
+occupancy = st.floats(0.0, 0.97)
+probability = st.floats(0.0, 1.0)
+
+
+def _placed(kv, *, tokens=4096, p=0.3, occupied=0.3, scale=1.0) -> dict[int, int]:
+    profile = CostProfile(0.01, 5e-4 * scale, 5e-8 * scale)
+    policy = CostPolicy(CostModel(profile), FixedPredictor(p))
+    cap = {"device": 80 * GB, "host": 200 * GB, "disk": 1000 * GB}
+    v = kv.view([kv.session("a", tokens)], cap, other_used={"device": int(occupied * 80 * GB)})
+    return ranks(kv, v, policy.decide(v, 5.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=probability, q=probability, occupied=occupancy)
+def test_likelier_return_is_placed_same_or_higher(kv, p, q, occupied):
+    low, high = sorted((p, q))
+    less, more = _placed(kv, p=low, occupied=occupied), _placed(kv, p=high, occupied=occupied)
+    assert all(more[i] <= less[i] for i in less)
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.integers(1, 24), b=st.integers(1, 24), p=probability, occupied=occupancy)
+def test_longer_context_is_placed_same_or_higher(kv, a, b, p, occupied):
+    short, long = sorted((a * 256, b * 256))
+    shorter = _placed(kv, tokens=short, p=p, occupied=occupied)
+    longer = _placed(kv, tokens=long, p=p, occupied=occupied)
+    # chunk for chunk the same, and the longer context's last chunk is worth at least as much
+    assert all(longer[i] <= shorter[i] for i in shorter)
+    assert longer[max(longer)] <= shorter[max(shorter)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=st.floats(0.1, 10), y=st.floats(0.1, 10), p=probability, occupied=occupancy)
+def test_slower_compute_is_placed_same_or_higher(kv, x, y, p, occupied):
+    fast, slow = sorted((x, y))
+    quick = _placed(kv, scale=fast, p=p, occupied=occupied)
+    sluggish = _placed(kv, scale=slow, p=p, occupied=occupied)
+    assert all(sluggish[i] <= quick[i] for i in quick)
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=occupancy, y=occupancy, p=probability)
+def test_scarcer_device_memory_is_placed_same_or_lower(kv, x, y, p):
+    roomy, tight = sorted((x, y))
+    more_room = _placed(kv, occupied=roomy, p=p)
+    less_room = _placed(kv, occupied=tight, p=p)
+    assert all(less_room[i] >= more_room[i] for i in more_room)
+
+
+def test_demotions_go_down_one_or_more_tiers_never_up(kv):
+    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.001))
+    s = kv.session("a", 4096, tier="host")
+    v = kv.view([s], {"device": 80 * GB, "host": 10 * GB, "disk": 100 * GB})
+    for action in policy.decide(v, 5.0):
+        if isinstance(action, Move):
+            assert TIER_RANK[action.tier] > TIER_RANK["host"]

@@ -1,0 +1,140 @@
+"""The reuse predictor learns known gap distributions, estimates P(no return), and starts from
+its prior; the tracker turns views into what it learns from."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.policy.predictor import GapPrior, ReusePredictor
+from kvtier.policy.tracker import Abandoned, Returned, TurnTracker
+from kvtier.policy.view import PolicyView, SessionView, TierView, TurnView
+
+KEY = ("tenant", "chat")
+
+
+def _phi(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("idle", [0.0, 10.0, 60.0, 180.0])
+@pytest.mark.parametrize("horizon", [5.0, 30.0, 120.0])
+def test_converges_to_an_exponential_gap_distribution(idle, horizon):
+    predictor = ReusePredictor()
+    predictor.record_gaps(KEY, np.random.default_rng(1).exponential(60.0, 20_000))
+    expected = 1 - math.exp(-horizon / 60.0)  # memoryless: the same at every idle time
+    assert predictor.p_reuse(KEY, idle, horizon) == pytest.approx(expected, abs=0.03)
+
+
+@pytest.mark.parametrize("idle", [5.0, 60.0, 600.0])
+def test_converges_to_a_lognormal_gap_distribution(idle):
+    median, sigma, horizon = 120.0, 1.0, 60.0
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(2)
+    predictor.record_gaps(KEY, rng.lognormal(math.log(median), sigma, 20_000))
+    cdf = lambda x: _phi((math.log(x) - math.log(median)) / sigma)  # noqa: E731
+    expected = (cdf(idle + horizon) - cdf(idle)) / (1 - cdf(idle))
+    assert predictor.p_reuse(KEY, idle, horizon) == pytest.approx(expected, abs=0.03)
+
+
+def test_estimates_the_share_of_sessions_that_never_return():
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(3)
+    for _ in range(5000):
+        if rng.random() < 0.3:
+            predictor.record_no_return(KEY)
+        else:
+            predictor.record_gap(KEY, float(rng.exponential(30.0)))
+    assert predictor.p_no_return(KEY) == pytest.approx(0.3, abs=0.02)
+    # long after the typical gap, almost everyone still idle is one who will not return
+    assert predictor.p_reuse(KEY, 600.0, 600.0) < 0.02
+
+
+def test_prior_stands_in_before_data():
+    prior = GapPrior()
+    predictor = ReusePredictor(prior=prior)
+    tail = (1 - prior.no_return) * (1 - _phi(math.log(3600 / 60) / prior.sigma))
+    assert predictor.p_no_return(KEY) == pytest.approx(prior.no_return + tail, rel=1e-6)
+    # 80% of returns within 10 minutes, by construction of sigma
+    returned = 1 - prior.no_return
+    assert predictor.p_reuse(KEY, 0.0, 600.0) == pytest.approx(0.8 * returned, abs=0.01)
+    # heavy tail: the longer a session has been idle, the less likely it returns soon
+    soon = [predictor.p_reuse(KEY, idle, 10.0) for idle in (0.0, 10.0, 100.0, 1000.0)]
+    assert soon == sorted(soon, reverse=True)
+
+
+def test_nothing_returns_past_the_cut_off_age():
+    predictor = ReusePredictor(max_age_s=600.0)
+    assert predictor.p_reuse(KEY, 600.0, 10.0) == 0.0
+    predictor.record_gap(KEY, 900.0)  # longer than the cut-off: counts as never returned
+    assert predictor.p_no_return(KEY) > ReusePredictor(max_age_s=600.0).p_no_return(KEY)
+
+
+def test_keys_learn_separately_and_new_keys_start_from_the_pool():
+    predictor = ReusePredictor()
+    fast, slow = ("t", "agent"), ("t", "chat")
+    for _ in range(2000):
+        predictor.record_gap(fast, 3.0)
+        predictor.record_gap(slow, 300.0)
+    assert predictor.p_reuse(fast, 0.0, 10.0) > 0.9
+    assert predictor.p_reuse(slow, 0.0, 10.0) < 0.1
+    newcomer = predictor.p_reuse(("other", "x"), 0.0, 10.0)
+    assert newcomer == pytest.approx(0.5, abs=0.05)  # half the pooled sessions return in 3 s
+
+
+def test_memory_is_bounded_by_max_keys():
+    predictor = ReusePredictor(max_keys=2)
+    for _ in range(200):
+        predictor.record_gap(("t", "a"), 3.0)
+    predictor.record_gap(("t", "b"), 300.0)
+    predictor.record_gap(("t", "c"), 300.0)  # evicts ("t", "a"), the least recently updated
+    assert predictor.p_reuse(("t", "a"), 0.0, 10.0) == predictor.p_reuse(("new", "x"), 0.0, 10.0)
+
+
+def test_accepts_a_session_or_a_key():
+    predictor = ReusePredictor()
+    session = SessionView("s", tenant="tenant", app_class="chat")
+    assert predictor.p_reuse(session, 5.0, 5.0) == predictor.p_reuse(KEY, 5.0, 5.0)
+
+
+# --- tracker ----------------------------------------------------------------------------------
+
+
+def _view(*sessions: SessionView) -> PolicyView:
+    return PolicyView(sessions, (TierView("device", 0, 1),))
+
+
+def test_tracker_reports_returns_once_and_abandonment_once():
+    tracker = TurnTracker(max_age_s=100.0)
+    first = TurnView(arrival=0.0, prompt_tokens=10, finished=2.0)
+    idle = SessionView("s", tenant="tenant", app_class="chat", turns=(first,), idle_since=2.0)
+    assert tracker.update(_view(idle), 5.0) == []  # history before first sight is not news
+    second = TurnView(arrival=12.0, prompt_tokens=10)
+    back = dataclasses.replace(idle, turns=(first, second), active=True, idle_since=None)
+    assert tracker.update(_view(back), 13.0) == [Returned("s", KEY, 10.0, 12.0)]
+    assert tracker.update(_view(back), 14.0) == []
+    done = dataclasses.replace(
+        back,
+        turns=(first, dataclasses.replace(second, finished=15.0)),
+        active=False,
+        idle_since=15.0,
+    )
+    assert tracker.update(_view(done), 50.0) == []
+    assert tracker.update(_view(done), 120.0) == [Abandoned("s", KEY, 115.0)]
+    assert tracker.update(_view(done), 200.0) == []
+    # a return after being counted as abandoned is not counted again as a gap
+    third = TurnView(arrival=300.0, prompt_tokens=10)
+    late = dataclasses.replace(done, turns=(*done.turns, third), active=True, idle_since=None)
+    assert tracker.update(_view(late), 301.0) == []
+
+
+def test_tracker_forgets_sessions_that_leave_the_view():
+    tracker = TurnTracker(max_age_s=100.0)
+    s = SessionView("s", turns=(TurnView(0.0, 1, 1.0),), idle_since=1.0)
+    tracker.update(_view(s), 2.0)
+    tracker.update(_view(), 3.0)
+    s2 = dataclasses.replace(s, turns=(*s.turns, TurnView(5.0, 1)), active=True, idle_since=None)
+    assert tracker.update(_view(s2), 6.0) == []  # seen afresh: its history is not news
