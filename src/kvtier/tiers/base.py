@@ -1,0 +1,257 @@
+"""The tier backend contract: a byte-budgeted store of chunk payloads that never raises.
+
+Every tier (host, disk, Redis, size-only) implements five small hooks, `_put`, `_get`,
+`_delete`, `_contains` and the two budget properties. The public methods here wrap them once for
+all tiers: they time the call, count bytes, ops, hits, misses and errors, and turn any failure
+into a miss (`get` -> None) or a refusal (`put` -> False). A caller that gets None recomputes;
+an outage or a corrupt record costs speed, never a wrong answer and never an exception.
+
+Keys are the engine's content addresses (`bytes`); `namespace` is the tenant namespace the key
+was made in. Tiers keep namespaces apart (a key written in one namespace is not found in
+another) and use it to pick the per-tenant encryption key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+
+from kvtier.tiers.histogram import LatencyHistogram
+from kvtier.tiers.payload import Payload
+
+log = logging.getLogger(__name__)
+
+EvictListener = Callable[[bytes, str], None]
+
+
+class TierError(Exception):
+    """An operation failed in a way callers must see as a miss: I/O error, timeout, corrupt or
+    tampered record, or a tier that is down. Raised inside backends, never out of them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierEntry:
+    """One stored payload as a tier lists it after a restart (see `TierBackend.entries`)."""
+
+    key: bytes
+    namespace: str
+    nbytes: int
+    form: str
+
+
+class TierStats:
+    """Counters of one tier; `snapshot()` is what metrics and benchmarks read."""
+
+    _COUNTERS = (
+        "reads",
+        "writes",
+        "deletes",
+        "bytes_read",
+        "bytes_written",
+        "hits",
+        "misses",
+        "errors",
+        "refused",
+        "evicted",
+    )
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.writes = 0
+        self.deletes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0
+        # puts turned down for lack of room (the store then makes room or gives up)
+        self.refused = 0
+        # entries the backend dropped on its own to stay within budget (disk GC, Redis)
+        self.evicted = 0
+        self.get_latency = LatencyHistogram()
+        self.put_latency = LatencyHistogram()
+        self._lock = threading.Lock()
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            counters: dict[str, object] = {name: getattr(self, name) for name in self._COUNTERS}
+        counters["get_latency"] = self.get_latency.snapshot()
+        counters["put_latency"] = self.put_latency.snapshot()
+        return counters
+
+
+class TierBackend(ABC):
+    """A store of payloads under a byte budget. Public methods never raise (see module doc)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stats = TierStats()
+        # Set by the store: told of every entry the backend drops by itself, so the store's
+        # index follows. Called after the operation, outside the backend's locks.
+        self.on_evict: EvictListener | None = None
+        self._pending_evictions: list[tuple[bytes, str]] = []
+        self._pending_lock = threading.Lock()
+
+    # -- what a backend implements -------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """The budget: the most bytes this tier will ever hold (headers and padding included)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes held now, counted the way `capacity_bytes` is."""
+
+    @abstractmethod
+    def _put(self, key: bytes, payload: Payload, namespace: str) -> bool:
+        """Store the payload; False when there is no room. Raise on failure."""
+
+    @abstractmethod
+    def _get(self, key: bytes, namespace: str, out: torch.Tensor | None) -> Payload | None:
+        """The payload, read into `out` when given; None when absent. Raise on failure."""
+
+    @abstractmethod
+    def _delete(self, key: bytes, namespace: str) -> None: ...
+
+    @abstractmethod
+    def _contains(self, key: bytes, namespace: str) -> bool: ...
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a put of `nbytes` would find room without the store evicting first.
+
+        Tiers that reclaim space themselves (disk GC, Redis oldest-first) override this.
+        """
+        return self.used_bytes + nbytes <= self.capacity_bytes
+
+    def entries(self) -> list[TierEntry]:
+        """What survived a restart, oldest first; volatile tiers have nothing."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 (optional hook: volatile tiers hold nothing to release)
+        """Release files, memory and connections."""
+
+    # -- the contract callers use --------------------------------------------------------
+
+    def put(self, key: bytes, payload: Payload, *, namespace: str = "") -> bool:
+        """Store `payload` under `key`; False when refused (full) or failed."""
+        start = perf_counter()
+        try:
+            result: bool | BaseException = self._put(key, payload, namespace)
+        except Exception as exc:  # a failing tier must cost a recompute, never an exception
+            result = exc
+        ok = self._record_put(key, payload, result, perf_counter() - start)
+        self._deliver_evictions()
+        return ok
+
+    def put_many(
+        self, items: Sequence[tuple[bytes, Payload]], *, namespace: str = ""
+    ) -> list[bool]:
+        """Store several payloads; backends with a batch path (Redis pipelines) override."""
+        return [self.put(key, payload, namespace=namespace) for key, payload in items]
+
+    def get(
+        self, key: bytes, *, namespace: str = "", out: torch.Tensor | None = None
+    ) -> Payload | None:
+        """The payload under `key`, or None (absent, failed, timed out or failed its checksum).
+
+        out: a 1-D uint8 tensor of at least the payload's size to read into (a device block's
+            slab, a pinned staging buffer); the returned payload's data is then a view of it.
+        """
+        start = perf_counter()
+        try:
+            result: Payload | BaseException | None = self._get(key, namespace, out)
+        except Exception as exc:  # see put
+            result = exc
+        return self._record_get(key, result, perf_counter() - start)
+
+    def get_many(
+        self,
+        keys: Sequence[bytes],
+        *,
+        namespace: str = "",
+        outs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[Payload | None]:
+        """`get` for several keys; backends with a batch path (Redis pipelines) override."""
+        outs = outs if outs is not None else [None] * len(keys)
+        return [
+            self.get(key, namespace=namespace, out=out) for key, out in zip(keys, outs, strict=True)
+        ]
+
+    def delete(self, key: bytes, *, namespace: str = "") -> None:
+        try:
+            self._delete(key, namespace)
+        except Exception as exc:  # see put
+            self._failed("delete", key, exc)
+        else:
+            self.stats.add(deletes=1)
+        self._deliver_evictions()  # a durable delete appends, and appending may collect
+
+    def contains(self, key: bytes, *, namespace: str = "") -> bool:
+        try:
+            return self._contains(key, namespace)
+        except Exception as exc:  # see put
+            self._failed("contains", key, exc)
+            return False
+
+    # -- shared bookkeeping --------------------------------------------------------------
+
+    def _record_put(
+        self, key: bytes, payload: Payload, result: bool | BaseException, seconds: float
+    ) -> bool:
+        self.stats.put_latency.observe(seconds)
+        if isinstance(result, BaseException):
+            self._failed("put", key, result)
+            return False
+        if result:
+            self.stats.add(writes=1, bytes_written=payload.nbytes)
+        else:
+            self.stats.add(refused=1)
+        return result
+
+    def _record_get(
+        self, key: bytes, result: Payload | BaseException | None, seconds: float
+    ) -> Payload | None:
+        self.stats.get_latency.observe(seconds)
+        if isinstance(result, BaseException):
+            self._failed("get", key, result)
+            return None
+        if result is None:
+            self.stats.add(misses=1)
+        else:
+            self.stats.add(hits=1, reads=1, bytes_read=result.nbytes)
+        return result
+
+    def _failed(self, op: str, key: bytes, exc: BaseException) -> None:
+        self.stats.add(errors=1)
+        if isinstance(exc, TierError | OSError):
+            # Expected failures are counted, not logged one by one: an outage would flood the
+            # log. Backends log their own state changes (Redis down/up) once.
+            log.debug("%s %s %s failed: %s", self.name, op, key.hex()[:16], exc)
+        else:
+            log.error("%s %s %s failed unexpectedly", self.name, op, key.hex()[:16], exc_info=exc)
+
+    def _evicted(self, key: bytes, namespace: str) -> None:
+        """Called by backends (under their own locks) for each entry they drop by themselves."""
+        with self._pending_lock:
+            self._pending_evictions.append((key, namespace))
+        self.stats.add(evicted=1)
+
+    def _deliver_evictions(self) -> None:
+        with self._pending_lock:
+            pending, self._pending_evictions = self._pending_evictions, []
+        if self.on_evict is not None:
+            for key, namespace in pending:
+                self.on_evict(key, namespace)

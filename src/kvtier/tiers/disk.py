@@ -1,0 +1,351 @@
+"""Local disk / NVMe tier: append-only segment files under a byte budget.
+
+Layout and recovery are in `segment.py` and `record.py`. The budget counts the bytes of the
+segment files on disk, dead records, padding and segment headers included, so the directory
+never holds more than `capacity_bytes`. Before an append would pass it, the oldest segment
+goes: if few of its records are still live (at most `compact_below` of its bytes) and there is
+room, they are copied forward into the active segment first; otherwise they are evicted (the
+store is told, and recomputes them if they are asked for again). Oldest-first keeps writes
+sequential and makes the tier a FIFO cache at segment granularity, the way log-structured flash
+caches work (CacheLib's BlockCache, Kangaroo).
+
+With `persist=True` the files outlive `close()` and are scanned back into the index at the next
+start (deletes write a small tombstone so they stay deleted); without it they are removed on
+`close()` and any left by a crashed run are removed at start.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.tiers.base import TierBackend, TierEntry, TierError
+from kvtier.tiers.crypto import Sealer
+from kvtier.tiers.payload import Payload, as_buffer
+from kvtier.tiers.record import (
+    FLAG_SEALED,
+    RecordCodec,
+    RecordHead,
+    align_up,
+    deliver,
+    parse_head,
+)
+from kvtier.tiers.segment import (
+    DIRECT_ALIGN,
+    HEADER_BYTES,
+    SUFFIX,
+    AlignedBuffer,
+    Segment,
+    record_align,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_SEGMENT_BYTES = 256 * 2**20
+
+
+@dataclass(slots=True)
+class _Loc:
+    segment: Segment
+    offset: int
+    head: RecordHead
+
+
+class DiskTier(TierBackend):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        segment_bytes: int | None = None,
+        direct: bool = False,
+        persist: bool = False,
+        sealer: Sealer | None = None,
+        compact_below: float = 0.25,
+        name: str = "disk",
+    ) -> None:
+        """
+        segment_bytes: target size of one segment file: 256 MiB by default and never more
+            than capacity/8, so GC frees space in steps of at most an eighth of the budget.
+        direct: write and read with O_DIRECT (page cache bypassed, 4 KiB-aligned records);
+            falls back to buffered I/O, with a log line, where the filesystem refuses it.
+        """
+        super().__init__(name)
+        if capacity_bytes < 4 * HEADER_BYTES:
+            raise ValueError("disk tier capacity must be at least 16 KiB")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._capacity = capacity_bytes
+        self.segment_bytes = max(
+            2 * HEADER_BYTES, min(segment_bytes or _MAX_SEGMENT_BYTES, capacity_bytes // 8)
+        )
+        self.persist = persist
+        self.compact_below = compact_below
+        self._codec = RecordCodec(sealer)
+        # Reentrant: used_bytes is read both by callers and from inside locked operations.
+        self._lock = threading.RLock()
+        self._bounce = AlignedBuffer()
+        self._lock_file = self._take_directory_lock()
+        self.direct = direct and _direct_io_works(self.directory, self._bounce)
+        if direct and not self.direct:
+            log.info("%s: O_DIRECT refused by the filesystem; using buffered I/O", self.directory)
+        self._segments: dict[int, Segment] = {}  # oldest first
+        self._active: Segment | None = None
+        self._index: dict[tuple[str, bytes], _Loc] = {}
+        # Everything written to the files (records, padding, headers, tombstones, compaction
+        # copies): divided by payload bytes put, this is the write amplification.
+        self.device_bytes_written = 0
+        if persist:
+            self._recover()
+        else:
+            for path in self._segment_paths():
+                path.unlink()
+
+    # -- budget --------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(segment.size for segment in self._segments.values())
+
+    @property
+    def write_amplification(self) -> float:
+        return self.device_bytes_written / max(1, self.stats.bytes_written)
+
+    def fits(self, nbytes: int) -> bool:
+        # Room is made by GC inside put; only a record bigger than the whole budget cannot fit.
+        return align_up(nbytes + 512, DIRECT_ALIGN) + 2 * HEADER_BYTES <= self._capacity
+
+    # -- contract ------------------------------------------------------------------------
+
+    def _put(self, key: bytes, payload: Payload, namespace: str) -> bool:
+        head_bytes, body = self._codec.encode(key, namespace, payload)
+        head = parse_head(head_bytes)
+        with self._lock:
+            segment, offset = self._append([head_bytes, body], head.record_len)
+            if segment is None:
+                return False
+            self._forget(namespace, key)
+            self._index[(namespace, key)] = _Loc(segment, offset, head)
+            segment.live[(namespace, key)] = None
+            segment.live_bytes += segment.padded(head.record_len)
+        return True
+
+    def _get(self, key: bytes, namespace: str, out: torch.Tensor | None) -> Payload | None:
+        with self._lock:
+            loc = self._index.get((namespace, key))
+            if loc is None:
+                return None
+            try:
+                payload = self._read(loc, out)
+            except TierError:
+                # A record that fails its checks once always will: stop pointing at it.
+                self._forget(namespace, key)
+                raise
+        return deliver(payload, out)
+
+    def _read(self, loc: _Loc, out: torch.Tensor | None) -> Payload:
+        head, segment = loc.head, loc.segment
+        dest = self._codec.body_into(head, out)
+        if segment.direct or head.flags & FLAG_SEALED:
+            raw = segment.read(loc.offset, head.record_len, self._bounce)
+            _check_same(parse_head(raw), head)
+            return self._codec.decode(head, raw[head.head_len :], dest, in_place=False)
+        # Buffered and plain: read the body straight into its destination, one copy.
+        head_buf = memoryview(bytearray(head.head_len))
+        body_view = as_buffer(dest)
+        body_sum = segment.read_hashed(loc.offset, head_buf, body_view)
+        _check_same(parse_head(head_buf), head)
+        return self._codec.decode(head, body_view, dest, in_place=True, body_sum=body_sum)
+
+    def _delete(self, key: bytes, namespace: str) -> None:
+        with self._lock:
+            if self._forget(namespace, key) and self.persist:
+                # Without a tombstone the next start's scan would bring the record back.
+                tombstone = self._codec.tombstone(key, namespace)
+                self._append([tombstone], len(tombstone))
+
+    def _contains(self, key: bytes, namespace: str) -> bool:
+        return (namespace, key) in self._index
+
+    def entries(self) -> list[TierEntry]:
+        with self._lock:
+            locs = sorted(self._index.values(), key=lambda loc: (loc.segment.id, loc.offset))
+        return [
+            TierEntry(
+                loc.head.key,
+                loc.head.namespace,
+                loc.head.payload_nbytes,
+                Payload.from_meta(None, 0, loc.head.meta).form,
+            )
+            for loc in locs
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            for segment in self._segments.values():
+                segment.close()
+                if not self.persist:
+                    segment.path.unlink(missing_ok=True)
+            self._segments.clear()
+            self._index.clear()
+            self._active = None
+            if self._lock_file >= 0:
+                if not self.persist:
+                    (self.directory / "LOCK").unlink(missing_ok=True)
+                os.close(self._lock_file)  # releases the flock
+                self._lock_file = -1
+
+    # -- segments and GC (all under self._lock) ------------------------------------------
+
+    def _append(self, pieces: list, length: int) -> tuple[Segment | None, int]:
+        """Append one record, collecting old segments first if the budget needs it."""
+        padded = align_up(length, record_align(self.direct))
+        if padded + HEADER_BYTES > self._capacity:
+            return None, 0
+        while True:
+            roll = self._active is None or (
+                self._active.size + padded > self.segment_bytes and self._active.size > HEADER_BYTES
+            )
+            needed = padded + (HEADER_BYTES if roll else 0)
+            if self.used_bytes + needed <= self._capacity:
+                break
+            self._collect(next(iter(self._segments.values())))
+        if roll:
+            self._roll()
+        assert self._active is not None
+        offset = self._active.append(pieces, length, self._bounce)
+        self.device_bytes_written += padded
+        return self._active, offset
+
+    def _roll(self) -> None:
+        seg_id = max(self._segments, default=0) + 1
+        self._active = Segment.create(self.directory, seg_id, self.direct, self._bounce)
+        self._segments[seg_id] = self._active
+        self.device_bytes_written += HEADER_BYTES
+
+    def _collect(self, victim: Segment) -> None:
+        """Remove the oldest segment, copying its few live records forward when that pays."""
+        survivors = self._survivors(victim)
+        for namespace, key in list(victim.live):
+            self._forget(namespace, key)
+            if (namespace, key) not in survivors:
+                self._evicted(key, namespace)
+        victim.close()
+        victim.path.unlink(missing_ok=True)
+        del self._segments[victim.id]
+        if victim is self._active:
+            self._active = None
+        for (namespace, key), (head, raw) in survivors.items():
+            if self._active is None:
+                self._roll()
+            assert self._active is not None
+            offset = self._active.append([raw], len(raw), self._bounce)
+            self.device_bytes_written += self._active.padded(len(raw))
+            self._index[(namespace, key)] = _Loc(self._active, offset, head)
+            self._active.live[(namespace, key)] = None
+            self._active.live_bytes += self._active.padded(len(raw))
+
+    def _survivors(self, victim: Segment) -> dict[tuple[str, bytes], tuple[RecordHead, bytes]]:
+        """The live records of a mostly dead segment, read into memory before it is removed.
+
+        Read first and written after the unlink, so the copy needs no headroom in the budget;
+        at most `compact_below` of a segment is held in memory. A crash in between loses them,
+        which for a cache is a few misses.
+        """
+        if victim is self._active or victim.live_bytes > self.compact_below * victim.size:
+            return {}
+        align = record_align(self.direct)
+        needed = HEADER_BYTES if self._active is None else 0
+        survivors = {}
+        for entry in victim.live:
+            loc = self._index[entry]
+            raw = bytes(victim.read(loc.offset, loc.head.record_len, self._bounce))
+            survivors[entry] = (loc.head, raw)
+            needed += align_up(len(raw), align)
+        if self.used_bytes - victim.size + needed > self._capacity:
+            return {}
+        return survivors
+
+    def _forget(self, namespace: str, key: bytes) -> bool:
+        """Drop a key from the index; its record becomes dead bytes until GC removes them."""
+        loc = self._index.pop((namespace, key), None)
+        if loc is None:
+            return False
+        loc.segment.live.pop((namespace, key), None)
+        loc.segment.live_bytes -= loc.segment.padded(loc.head.record_len)
+        return True
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _segment_paths(self) -> list[Path]:
+        return sorted(self.directory.glob(f"*{SUFFIX}"))
+
+    def _recover(self) -> None:
+        for path in self._segment_paths():
+            opened = Segment.open_existing(path, self.direct)
+            if opened is None:
+                path.unlink(missing_ok=True)
+                continue
+            segment, records = opened
+            self._segments[segment.id] = segment
+            for offset, head in records:
+                self._forget(head.namespace, head.key)
+                if not head.tombstone:
+                    self._index[(head.namespace, head.key)] = _Loc(segment, offset, head)
+                    segment.live[(head.namespace, head.key)] = None
+                    segment.live_bytes += segment.padded(head.record_len)
+        # Appends go to a fresh segment (created on the first put), never after old data.
+        while self._segments and self.used_bytes > self._capacity:
+            self._collect(next(iter(self._segments.values())))
+        log.info(
+            "%s: recovered %d records in %d segments (%d bytes)",
+            self.directory,
+            len(self._index),
+            len(self._segments),
+            self.used_bytes,
+        )
+
+    def _take_directory_lock(self) -> int:
+        """One tier per directory: a second writer would interleave appends and corrupt both."""
+        fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RuntimeError(f"{self.directory} is in use by another disk tier") from exc
+            raise
+        return fd
+
+
+def _check_same(found: RecordHead, expected: RecordHead) -> None:
+    if found != expected:
+        raise TierError("record on disk differs from the index (stale or overwritten)")
+
+
+def _direct_io_works(directory: Path, bounce: AlignedBuffer) -> bool:
+    """Whether this filesystem takes O_DIRECT (tmpfs and some overlays refuse it)."""
+    probe = directory / ".direct-probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, bounce.view(DIRECT_ALIGN), 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True

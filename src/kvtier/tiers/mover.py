@@ -1,0 +1,206 @@
+"""Background movement: spills and prefetches run on worker threads behind bounded queues.
+
+- `spill(chunk, payload)` never blocks. When the spill queue is full the spill is dropped and
+  counted: the KV is recomputed if it is needed again, which is slower but correct. The caller
+  must leave the payload's bytes untouched until the returned future is done (e.g. keep the
+  device blocks or the staging buffer until then).
+- `prefetch(chunk_ids)` returns a `Prefetch` whose `result(timeout)` gives what has arrived by
+  the deadline, None for the rest: the caller recomputes those instead of waiting.
+- A failed copy is retried `retries` times; then a prefetch is a miss (and the store forgets
+  the chunk) and a spill reports False.
+- `close(drain=True)` finishes queued work; `close(drain=False)` cancels it (spills report
+  False, prefetches None). Either way no future is left unresolved.
+
+The workers release the GIL in every copy, file and socket call, so threads suffice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kvtier.tiers.payload import Payload
+from kvtier.tiers.store import Chunk, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class Prefetch:
+    """Results of one prefetch, filled in as loads finish, in the order the chunks were given."""
+
+    def __init__(self, count: int) -> None:
+        self._results: list[Payload | None] = [None] * count
+        self._pending = count
+        self._done = threading.Condition()
+        self.cancelled = False
+
+    def result(self, timeout: float | None = None) -> list[Payload | None]:
+        """Wait until all loads finish or `timeout` seconds pass; what is not there is None."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0, timeout)
+            return list(self._results)
+
+    def done(self) -> bool:
+        with self._done:
+            return self._pending == 0
+
+    def cancel(self) -> None:
+        """Skip the loads not started yet (after a deadline the caller has moved on)."""
+        self.cancelled = True
+
+    def _resolve(self, index: int, payload: Payload | None) -> None:
+        with self._done:
+            self._results[index] = payload
+            self._pending -= 1
+            if self._pending == 0:
+                self._done.notify_all()
+
+
+class Mover:
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        spill_queue: int = 64,
+        prefetch_queue: int = 256,
+        spill_workers: int = 1,
+        prefetch_workers: int = 2,
+        retries: int = 2,
+    ) -> None:
+        self.store = store
+        self.attempts = 1 + retries
+        self._spills: queue.Queue[_SpillJob | None] = queue.Queue(spill_queue)
+        self._prefetches: queue.Queue[_PrefetchJob | None] = queue.Queue(prefetch_queue)
+        self._lock = threading.Lock()  # orders enqueues against close()
+        self._closed = False
+        self._counts_lock = threading.Lock()
+        self.counts = {
+            "spills": 0,
+            "spills_dropped": 0,
+            "spills_failed": 0,
+            "prefetches": 0,
+            "prefetches_dropped": 0,
+            "prefetch_misses": 0,
+        }
+        self._workers: list[tuple[threading.Thread, queue.Queue]] = []
+        for kind, jobs, count, run in (
+            ("spill", self._spills, spill_workers, self._run_spills),
+            ("prefetch", self._prefetches, prefetch_workers, self._run_prefetches),
+        ):
+            for i in range(count):
+                worker = threading.Thread(target=run, name=f"kvtier-{kind}-{i}", daemon=True)
+                worker.start()
+                self._workers.append((worker, jobs))
+
+    def spill(self, chunk: Chunk, payload: Payload, *, tier: str | None = None) -> Future[bool]:
+        """Queue a chunk for storing; the future says whether it was stored (never raises)."""
+        future: Future[bool] = Future()
+        with self._lock:
+            queued = not self._closed
+            if queued:
+                try:
+                    self._spills.put_nowait(_SpillJob(chunk, payload, tier, future))
+                except queue.Full:
+                    queued = False
+        if queued:
+            self._count("spills")
+        else:
+            self._count("spills_dropped")
+            future.set_running_or_notify_cancel()
+            future.set_result(False)
+        return future
+
+    def prefetch(self, chunks: Sequence[bytes]) -> Prefetch:
+        """Queue loads of these chunk ids; chunks that find the queue full resolve to None."""
+        handle = Prefetch(len(chunks))
+        for index, chunk in enumerate(chunks):
+            with self._lock:
+                queued = not self._closed
+                if queued:
+                    try:
+                        self._prefetches.put_nowait(_PrefetchJob(handle, index, chunk))
+                    except queue.Full:
+                        queued = False
+            if queued:
+                self._count("prefetches")
+            else:
+                self._count("prefetches_dropped")
+                handle._resolve(index, None)
+        return handle
+
+    def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the workers after finishing (drain) or cancelling what is queued."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not drain:
+            for jobs in (self._spills, self._prefetches):
+                while True:
+                    try:
+                        job = jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        job.cancel()
+        for _, jobs in self._workers:
+            jobs.put(None)  # one stop mark per worker, behind whatever is still queued
+        for worker, _ in self._workers:
+            worker.join(timeout)
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _run_spills(self) -> None:
+        while (job := self._spills.get()) is not None:
+            if not job.future.set_running_or_notify_cancel():
+                continue  # the caller cancelled it while it waited
+            ok = False
+            try:
+                ok = self.store.put(job.chunk, job.payload, tier=job.tier, attempts=self.attempts)
+            except Exception:  # a worker must outlive any one job, and resolve it
+                log.exception("spill of chunk %s failed", job.chunk.id.hex()[:16])
+            if not ok:
+                self._count("spills_failed")
+            job.future.set_result(ok)
+
+    def _run_prefetches(self) -> None:
+        while (job := self._prefetches.get()) is not None:
+            payload = None
+            try:
+                if not job.handle.cancelled:
+                    payload = self.store.promote(job.chunk, attempts=self.attempts)
+            except Exception:  # see _run_spills
+                log.exception("prefetch of chunk %s failed", job.chunk.hex()[:16])
+            if payload is None:
+                self._count("prefetch_misses")
+            job.handle._resolve(job.index, payload)
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self.counts[name] += 1
+
+
+@dataclass(frozen=True, slots=True)
+class _SpillJob:
+    chunk: Chunk
+    payload: Payload
+    tier: str | None
+    future: Future[bool]
+
+    def cancel(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_result(False)
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefetchJob:
+    handle: Prefetch
+    index: int
+    chunk: bytes
+
+    def cancel(self) -> None:
+        self.handle._resolve(self.index, None)

@@ -1,0 +1,222 @@
+"""The self-describing record that disk segments and Redis values hold.
+
+    offset  size  field
+    0       4     magic b"KVTR"
+    4       1     version (1)
+    5       1     flags: 1 = body sealed (AES-GCM), 2 = tombstone (a durable delete, no body)
+    6       2     key length K
+    8       2     namespace length N (UTF-8)
+    10      2     metadata length M (form, dtype, shape; see Payload.meta)
+    12      8     body length B
+    20      8     xxh3-64 of the body, as stored (the ciphertext when sealed)
+    28      8     written at, Unix seconds (float64): eviction order after a restart
+    36      8     xxh3-64 of bytes 0..36 and of key + namespace + metadata
+    44      K+N+M key, namespace, metadata
+    ...     0-63  zero padding: the head is a multiple of 64 bytes
+    H       B     body (H = head length)
+
+All integers little-endian. Heads are padded so that a body starts 64-byte aligned wherever its
+record does (segments start records at multiples of 64), as the buffers it is read into are:
+the kernel then copies page-cache pages at full speed; bodies at unaligned file offsets read 30%
+slower here.
+
+The head checksum lets a scan trust a record's length (and so find the next record) without
+reading its body; the body checksum is verified on every read, so a record that was torn,
+bit-rotted or edited is never served. xxh3 runs at tens of GB/s (zlib's crc32 measured 4 GB/s
+here, blake2b 1 GB/s), yet a page-cache read is a memory copy too, so verifying still costs a
+second pass over the bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvtier.tiers.base import TierError
+from kvtier.tiers.crypto import OVERHEAD_BYTES, Sealer
+from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
+
+MAGIC = b"KVTR"
+VERSION = 1
+FLAG_SEALED = 1
+FLAG_TOMBSTONE = 2
+
+_FIXED = struct.Struct("<4sBBHHHQQd")
+_SUM = struct.Struct("<Q")
+FIXED_BYTES = _FIXED.size + _SUM.size
+HEAD_ALIGN = 64
+
+
+def align_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHead:
+    """A record's head, checked: everything but the body."""
+
+    flags: int
+    key: bytes
+    namespace: str
+    meta: bytes
+    body_len: int
+    body_sum: int
+    written_at: float
+    head_len: int
+
+    @property
+    def record_len(self) -> int:
+        return self.head_len + self.body_len
+
+    @property
+    def tombstone(self) -> bool:
+        return bool(self.flags & FLAG_TOMBSTONE)
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Size of the payload the body holds (a sealed body is longer by the nonce and tag)."""
+        return self.body_len - OVERHEAD_BYTES if self.flags & FLAG_SEALED else self.body_len
+
+
+def encode_head(
+    key: bytes, namespace: str, meta: bytes, body: BytesLike, flags: int, written_at: float
+) -> bytes:
+    ns = namespace.encode()
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        flags,
+        len(key),
+        len(ns),
+        len(meta),
+        len(body),
+        xxhash.xxh3_64_intdigest(body),
+        written_at,
+    )
+    variable = key + ns + meta
+    head = fixed + _SUM.pack(xxhash.xxh3_64_intdigest(fixed + variable)) + variable
+    return head + bytes(align_up(len(head), HEAD_ALIGN) - len(head))
+
+
+def head_len(fixed: BytesLike) -> int:
+    """Total head length from its first FIXED_BYTES, so a reader knows how much more to read."""
+    if len(fixed) < FIXED_BYTES:
+        raise TierError("record head cut short")
+    magic, version, _, key_len, ns_len, meta_len, *_ = _FIXED.unpack_from(fixed)
+    if magic != MAGIC or version != VERSION:
+        raise TierError("not a kvtier record (bad magic or version)")
+    return align_up(FIXED_BYTES + key_len + ns_len + meta_len, HEAD_ALIGN)
+
+
+def parse_head(buf: BytesLike) -> RecordHead:
+    """Check and decode a head; `buf` must start at the record and hold at least the head."""
+    length = head_len(buf)
+    if len(buf) < length:
+        raise TierError("record head cut short")
+    view = memoryview(buf)
+    _, _, flags, key_len, ns_len, meta_len, body_len, body_sum, written_at = _FIXED.unpack_from(
+        view
+    )
+    (head_sum,) = _SUM.unpack_from(view, _FIXED.size)
+    end = FIXED_BYTES + key_len + ns_len + meta_len
+    variable = bytes(view[FIXED_BYTES:end])
+    if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + variable) != head_sum:
+        raise TierError("record head checksum mismatch")
+    if any(view[end:length]):
+        raise TierError("record head padding is not zero")
+    try:
+        namespace = variable[key_len : key_len + ns_len].decode()
+    except UnicodeDecodeError as exc:
+        raise TierError("record namespace unreadable") from exc
+    return RecordHead(
+        flags=flags,
+        key=variable[:key_len],
+        namespace=namespace,
+        meta=variable[key_len + ns_len :],
+        body_len=body_len,
+        body_sum=body_sum,
+        written_at=written_at,
+        head_len=length,
+    )
+
+
+class RecordCodec:
+    """Payload <-> (head, body), sealing bodies when the tier encrypts at rest."""
+
+    def __init__(self, sealer: Sealer | None = None) -> None:
+        self.sealer = sealer
+
+    def encode(self, key: bytes, namespace: str, payload: Payload) -> tuple[bytes, BytesLike]:
+        """The head and the body to write after it (the payload's own bytes when not sealed)."""
+        if payload.data is None:
+            raise TierError("a size-only payload has no bytes to store")
+        meta = payload.meta()
+        body: BytesLike = as_buffer(payload.data.cpu())
+        flags = 0
+        if self.sealer is not None:
+            body = self.sealer.seal(namespace, key + meta, body)
+            flags = FLAG_SEALED
+        return encode_head(key, namespace, meta, body, flags, time.time()), body
+
+    def tombstone(self, key: bytes, namespace: str) -> bytes:
+        return encode_head(key, namespace, b"", b"", FLAG_TOMBSTONE, time.time())
+
+    def body_into(self, head: RecordHead, out: torch.Tensor | None) -> torch.Tensor:
+        """Where a reader puts the payload bytes: `out[:n]` when it is a CPU tensor, else a
+        fresh CPU tensor (that `deliver` copies into a device `out` afterwards)."""
+        nbytes = head.payload_nbytes
+        if out is not None and out.device.type == "cpu":
+            check_out(out, nbytes)
+            return out[:nbytes]
+        return empty_bytes(nbytes)
+
+    def decode(
+        self,
+        head: RecordHead,
+        body: BytesLike,
+        dest: torch.Tensor,
+        in_place: bool,
+        body_sum: int | None = None,
+    ) -> Payload:
+        """Verify the body and leave the payload bytes in `dest`.
+
+        in_place: the body was read straight into `dest` (an unsealed disk read), so only the
+            checksum remains to do; otherwise the body is copied or decrypted into `dest`.
+        body_sum: the body's xxh3-64 when the reader already hashed it on the way in.
+        """
+        if body_sum is None:
+            body_sum = xxhash.xxh3_64_intdigest(body)
+        if body_sum != head.body_sum:
+            raise TierError("record body checksum mismatch")
+        sealed = bool(head.flags & FLAG_SEALED)
+        if sealed != (self.sealer is not None):
+            # A tier that encrypts must not serve a plaintext record someone planted, and one
+            # that does not encrypt cannot open a sealed one.
+            raise TierError("record sealing does not match this tier's encryption setting")
+        if self.sealer is not None:
+            self.sealer.open_into(head.namespace, head.key + head.meta, body, as_buffer(dest))
+        elif not in_place:
+            as_buffer(dest)[:] = body
+        try:
+            return Payload.from_meta(dest, head.payload_nbytes, head.meta)
+        except ValueError as exc:
+            raise TierError(str(exc)) from exc
+
+
+def check_out(out: torch.Tensor, nbytes: int) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
+        raise TierError(f"out must be a 1-D uint8 tensor of at least {nbytes} bytes")
+
+
+def deliver(payload: Payload, out: torch.Tensor | None) -> Payload:
+    """Move a payload read on the CPU into a device `out`; a CPU `out` already holds it."""
+    if out is None or payload.data is None or payload.data.data_ptr() == out.data_ptr():
+        return payload
+    check_out(out, payload.nbytes)
+    target = out[: payload.nbytes]
+    target.copy_(payload.data)
+    return payload.with_data(target)

@@ -1,0 +1,324 @@
+"""TieredStore: which tier each chunk lives in, and the moves between tiers.
+
+A chunk is the unit of movement: the block keys of `chunk_tokens` consecutive tokens moved as
+one payload, because one big copy or request runs near full bandwidth and many 16-token ones do
+not. The store keeps one index, chunk id -> (tier, size, form, namespace), with exactly one tier
+holding each chunk, and a recency order per tier. It:
+
+- puts a chunk into a tier (the top one by default), first making room there by demoting that
+  tier's least recently used chunks one tier down (or dropping them from the last tier);
+- demotes (host -> disk -> remote) on request or to make room;
+- promotes: loads a chunk back for the caller, into the caller's buffer when given;
+- deletes; and follows tiers that drop entries on their own (disk GC, Redis budget) through
+  their `on_evict` hook.
+
+It knows nothing about models, and reads only payload sizes, never payload bytes, so the same
+code runs over size-only tiers in the simulator. Tier I/O runs outside the store's lock, so
+spills and prefetches on different chunks overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from time import perf_counter
+
+import torch
+
+from kvtier.tiers.base import EvictListener, TierBackend
+from kvtier.tiers.histogram import LatencyHistogram
+from kvtier.tiers.payload import Payload
+
+CALLER = "caller"  # the other end of puts and promotes (the engine's device memory)
+DROPPED = "dropped"  # where a chunk demoted off the last tier goes
+
+
+def chunk_id(block_keys: Sequence[bytes]) -> bytes:
+    """A chunk's key: a hash of its block keys, stable across processes (like the block keys)."""
+    digest = hashlib.blake2b(digest_size=32, person=b"kvtier.chunk")
+    for key in block_keys:
+        digest.update(len(key).to_bytes(2, "little"))
+        digest.update(key)
+    return digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Block keys moved together as one payload, in the tenant namespace they were made in."""
+
+    keys: tuple[bytes, ...]
+    namespace: str = ""
+    id: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", chunk_id(self.keys))
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a chunk is and what it weighs: one index entry."""
+
+    tier: str
+    nbytes: int
+    form: str
+    namespace: str
+
+
+class MoveStats:
+    """Ops, bytes, failures and latency of one direction of movement (e.g. host->disk)."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.bytes = 0
+        self.failures = 0
+        self.latency = LatencyHistogram()
+        self._lock = threading.Lock()
+
+    def record(self, nbytes: int, seconds: float, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self.ops += 1
+                self.bytes += nbytes
+            else:
+                self.failures += 1
+        self.latency.observe(seconds)
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            counts: dict[str, object] = {
+                "ops": self.ops,
+                "bytes": self.bytes,
+                "failures": self.failures,
+            }
+        counts["latency"] = self.latency.snapshot()
+        return counts
+
+
+class TieredStore:
+    def __init__(
+        self, tiers: Sequence[TierBackend], *, block_tokens: int = 16, chunk_tokens: int = 256
+    ) -> None:
+        """tiers: top (fastest) first, e.g. [host, disk, remote]; names must differ."""
+        if not tiers or len({tier.name for tier in tiers}) != len(tiers):
+            raise ValueError("the store needs at least one tier, each with its own name")
+        if chunk_tokens % block_tokens:
+            raise ValueError("chunk_tokens must be a multiple of block_tokens")
+        self.tiers = {tier.name: tier for tier in tiers}
+        self.order = [tier.name for tier in tiers]
+        self.block_tokens = block_tokens
+        self.chunk_tokens = chunk_tokens
+        self._index: dict[bytes, Placement] = {}
+        self._recency: dict[str, OrderedDict[bytes, None]] = {
+            name: OrderedDict() for name in self.order
+        }
+        self._busy: set[bytes] = set()  # chunks being demoted: not picked again meanwhile
+        self._lock = threading.RLock()
+        self.moves: dict[str, MoveStats] = {}
+        self.misses = 0  # promotes of chunks the index does not have
+        for tier in tiers:
+            tier.on_evict = self._evict_listener(tier.name)
+
+    # -- chunks and lookups --------------------------------------------------------------
+
+    def chunks(self, block_keys: Sequence[bytes], namespace: str = "") -> list[Chunk]:
+        """A sequence's block keys cut into chunks on the fixed grid (the last may be short)."""
+        per_chunk = self.chunk_tokens // self.block_tokens
+        return [
+            Chunk(tuple(block_keys[i : i + per_chunk]), namespace)
+            for i in range(0, len(block_keys), per_chunk)
+        ]
+
+    def locate(self, chunk: bytes) -> Placement | None:
+        """Where the chunk with this id lives, or None."""
+        with self._lock:
+            return self._index.get(chunk)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- movements -----------------------------------------------------------------------
+
+    def put(
+        self, chunk: Chunk, payload: Payload, *, tier: str | None = None, attempts: int = 1
+    ) -> bool:
+        """Store a chunk's payload in `tier` (default: the top tier), making room there first.
+
+        False when every attempt failed or it cannot fit: the chunk is then simply not stored.
+        """
+        target = tier or self.order[0]
+        return any(
+            self._place(chunk.id, chunk.namespace, payload, target, CALLER) for _ in range(attempts)
+        )
+
+    def promote(
+        self, chunk: bytes, *, out: torch.Tensor | None = None, attempts: int = 1
+    ) -> Payload | None:
+        """Load a chunk back for the caller (into `out` when given); it stays where it is.
+
+        None when the store does not have it, or when `attempts` reads all failed (corrupt,
+        timed out, tier down); the chunk is then forgotten, and the caller recomputes it.
+        """
+        failures = 0
+        while True:
+            with self._lock:
+                placement = self._index.get(chunk)
+                if placement is None:
+                    self.misses += 1
+                    return None
+            start = perf_counter()
+            source = self.tiers[placement.tier]
+            payload = source.get(chunk, namespace=placement.namespace, out=out)
+            self._move(placement.tier, CALLER).record(
+                placement.nbytes, perf_counter() - start, payload is not None
+            )
+            with self._lock:
+                current = self._index.get(chunk)
+                if payload is not None:
+                    if current is placement:
+                        self._recency[placement.tier].move_to_end(chunk)
+                    return payload
+                if current is not placement:
+                    continue  # moved or replaced while we read: look again, not a failure
+                failures += 1
+                if failures < attempts:
+                    continue
+                self._unindex(chunk)
+            source.delete(chunk, namespace=placement.namespace)
+            return None
+
+    def demote(self, chunk: bytes, to: str | None = None) -> bool:
+        """Move a chunk down to `to` (default: the next tier down; off the last tier it is
+        dropped). False when the chunk is unknown, busy, or could not be placed (then dropped).
+        """
+        with self._lock:
+            placement = self._index.get(chunk)
+            if placement is None or chunk in self._busy:
+                return False
+            self._busy.add(chunk)
+        return self._demote(chunk, placement, to)
+
+    def delete(self, chunk: bytes) -> None:
+        with self._lock:
+            placement = self._unindex(chunk)
+        if placement is not None:
+            self.tiers[placement.tier].delete(chunk, namespace=placement.namespace)
+
+    def recover(self) -> int:
+        """Rebuild the index from what the tiers kept across a restart; returns the count.
+
+        Bottom tier first, so where a chunk survived in two tiers the upper copy wins and the
+        lower one is deleted.
+        """
+        for name in reversed(self.order):
+            for entry in self.tiers[name].entries():
+                with self._lock:
+                    lower = self._unindex(entry.key)
+                    self._index[entry.key] = Placement(
+                        name, entry.nbytes, entry.form, entry.namespace
+                    )
+                    self._recency[name][entry.key] = None
+                if lower is not None:
+                    self.tiers[lower.tier].delete(entry.key, namespace=lower.namespace)
+        return len(self._index)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _place(self, chunk: bytes, namespace: str, payload: Payload, target: str, src: str) -> bool:
+        tier = self.tiers[target]
+        if payload.nbytes > tier.capacity_bytes:
+            ok = False
+        else:
+            self._make_room(tier, payload.nbytes)
+            start = perf_counter()
+            ok = tier.put(chunk, payload, namespace=namespace)
+            self._move(src, target).record(payload.nbytes, perf_counter() - start, ok)
+        if not ok:
+            return False
+        with self._lock:
+            stale = self._unindex(chunk)
+            self._index[chunk] = Placement(target, payload.nbytes, payload.form, namespace)
+            self._recency[target][chunk] = None
+        if stale is not None and stale.tier != target:
+            # One copy per chunk: the index now points at the new one.
+            self.tiers[stale.tier].delete(chunk, namespace=stale.namespace)
+        return True
+
+    def _make_room(self, tier: TierBackend, nbytes: int) -> None:
+        while not tier.fits(nbytes):
+            with self._lock:
+                victim = next((c for c in self._recency[tier.name] if c not in self._busy), None)
+                if victim is None:
+                    return  # nothing left to move; the put will be refused
+                self._busy.add(victim)
+                placement = self._index[victim]
+            self._demote(victim, placement, None)
+
+    def _demote(self, chunk: bytes, placement: Placement, to: str | None) -> bool:
+        """Move a chunk the caller marked busy; unmarks it."""
+        source = placement.tier
+        below = self.order.index(source) + 1
+        target = to or (self.order[below] if below < len(self.order) else None)
+        try:
+            moved = False
+            if target is not None:
+                payload = self.tiers[source].get(chunk, namespace=placement.namespace)
+                moved = payload is not None and self._place(
+                    chunk, placement.namespace, payload, target, source
+                )
+            if not moved:
+                with self._lock:
+                    if self._index.get(chunk) is placement:
+                        self._unindex(chunk)
+                self.tiers[source].delete(chunk, namespace=placement.namespace)
+                self._move(source, DROPPED).record(placement.nbytes, 0.0, True)
+            return moved
+        finally:
+            with self._lock:
+                self._busy.discard(chunk)
+
+    def _unindex(self, chunk: bytes) -> Placement | None:
+        placement = self._index.pop(chunk, None)
+        if placement is not None:
+            self._recency[placement.tier].pop(chunk, None)
+        return placement
+
+    def _evict_listener(self, tier_name: str) -> EvictListener:
+        def evicted(key: bytes, namespace: str) -> None:
+            with self._lock:
+                placement = self._index.get(key)
+                if placement is not None and placement.tier == tier_name:
+                    self._unindex(key)
+
+        return evicted
+
+    def _move(self, src: str, dst: str) -> MoveStats:
+        name = f"{src}->{dst}"
+        stats = self.moves.get(name)
+        if stats is None:
+            with self._lock:
+                stats = self.moves.setdefault(name, MoveStats())
+        return stats
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """Budgets and counters of every tier and every direction of movement."""
+        with self._lock:
+            chunks = {name: len(recency) for name, recency in self._recency.items()}
+            misses = self.misses
+        return {
+            "tiers": {
+                name: {
+                    "used_bytes": tier.used_bytes,
+                    "capacity_bytes": tier.capacity_bytes,
+                    "chunks": chunks[name],
+                    **tier.stats.snapshot(),
+                }
+                for name, tier in self.tiers.items()
+            },
+            "moves": {name: stats.snapshot() for name, stats in sorted(self.moves.items())},
+            "misses": misses,
+        }
