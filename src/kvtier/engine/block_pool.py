@@ -1,0 +1,139 @@
+"""What blocks exist: free ids, refcounts, the prefix cache (key -> block) and its LRU.
+
+A block is in exactly one of three states:
+- free: no owner, no key (`free_block_ids`);
+- in use: refcount > 0 (owned by one or more requests; a cached block can be shared);
+- cached and idle: refcount 0 but its key still maps to it (`evictable`, oldest first).
+Idle cached blocks are reused only when no free block is left, least recently freed first,
+so a finished conversation's KV stays hittable for as long as memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from kvtier.engine.hooks import FULL_FORM, BlockEventListener
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.cached_block_ids: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        # Stored form of each block's contents ("full" when computed here; a codec's form
+        # when restored from a lossy copy), so a lossy block is never mistaken for exact.
+        self.forms = [FULL_FORM] * num_blocks
+        self.listeners: list[BlockEventListener] = []
+        self.num_evictions = 0
+
+    @property
+    def num_allocatable(self) -> int:
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_allocatable
+
+    @property
+    def num_cached_idle(self) -> int:
+        return len(self.evictable)
+
+    def add_listener(self, listener: BlockEventListener) -> None:
+        self.listeners.append(listener)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks, evicting idle cached blocks (oldest first) when free ones run out.
+
+        The caller checks `num_allocatable` first; asking for more is a bookkeeping bug.
+        """
+        if n > self.num_allocatable:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_allocatable} allocatable")
+        block_ids = []
+        for _ in range(n):
+            if self.free_block_ids:
+                block_id = self.free_block_ids.popleft()
+            else:
+                block_id, _ = self.evictable.popitem(last=False)
+                self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            self.forms[block_id] = FULL_FORM  # its new owner computes it from scratch
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Add a reference to cached blocks a request reuses (prefix hit)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.evictable[block_id]
+            self.ref_counts[block_id] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; idle ones go to the LRU or the free queue.
+
+        Callers pass a request's blocks tail first, so within one request the tail of the
+        sequence is evicted before its head (heads are the prefixes other requests share).
+        """
+        for block_id in block_ids:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] > 0:
+                continue
+            if self.block_keys[block_id] is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.evictable[block_id] = None
+                for listener in self.listeners:
+                    listener.on_block_freed(block_id)
+
+    def cache_block(self, block_id: int, key: bytes) -> bool:
+        """Register a full, computed block under its key; False if the key is already cached.
+
+        Two requests can compute the same content at once; the first block registered keeps
+        the key and the duplicate simply returns to the free queue when released.
+        """
+        if not self.enable_caching or key in self.cached_block_ids:
+            return False
+        self.cached_block_ids[key] = block_id
+        self.block_keys[block_id] = key
+        for listener in self.listeners:
+            listener.on_block_filled(block_id, key)
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.cached_block_ids.get(key)
+
+    def set_form(self, block_id: int, form: str) -> None:
+        self.forms[block_id] = form
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every idle cached block (they become free); returns how many."""
+        dropped = list(self.evictable)
+        self.evictable.clear()
+        for block_id in dropped:
+            self._evict(block_id)
+            self.free_block_ids.append(block_id)
+        return len(dropped)
+
+    def drop_cached(self, block_ids: list[int]) -> int:
+        """Evict these idle cached blocks now (a policy moved or dropped them); returns how
+        many were dropped. Blocks in use or not cached are left alone."""
+        dropped = 0
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0 and block_id in self.evictable:
+                del self.evictable[block_id]
+                self._evict(block_id)
+                self.free_block_ids.append(block_id)
+                dropped += 1
+        return dropped
+
+    def _evict(self, block_id: int) -> None:
+        key = self.block_keys[block_id]
+        assert key is not None, "only cached blocks are evictable"
+        for listener in self.listeners:
+            listener.on_block_evicted(block_id, key)
+        del self.cached_block_ids[key]
+        self.block_keys[block_id] = None
+        self.num_evictions += 1

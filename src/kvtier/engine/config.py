@@ -1,0 +1,88 @@
+"""EngineConfig: every knob of the serving engine, validated once at construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    from kvtier.cache.config import TiersConfig
+    from kvtier.policy.config import PolicyConfig
+
+Priority = Literal["decode_first", "prefill_first"]
+DType = Literal["bfloat16", "float32"]
+
+_GIB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one Engine.
+
+    `kv_cache_bytes` is the device KV pool budget: the pool holds
+    `kv_cache_bytes // bytes_per_block` blocks and never grows. `max_num_batched_tokens` is the
+    per-step token budget shared by decodes and prefill chunks (chunked prefill). `namespace`
+    is the model part of every block key; by default it is derived from the model folder so
+    two different models never share keys (tenants add their salt per request).
+    """
+
+    model_dir: str | Path | None = None  # None: the embedded SmolLM2
+    dtype: DType = "bfloat16"
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_bytes: int = _GIB
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    priority: Priority = "decode_first"
+    enable_prefix_caching: bool = True
+    namespace: str | None = None
+    num_threads: int | None = None  # None: all cores
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    session_resume_after_s: float = 30.0
+    # Tiered KV (kvtier.cache): None keeps every block on the device only. `policy` names the
+    # retention policy; `policy_config` (kvtier.policy.config.PolicyConfig) overrides its
+    # settings (its `name` is replaced by `policy`).
+    tiers: TiersConfig | None = None
+    policy: str = "retain"
+    policy_config: PolicyConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float32"):
+            raise KvtierError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise KvtierError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.priority not in ("decode_first", "prefill_first"):
+            raise KvtierError(
+                f"priority must be 'decode_first' or 'prefill_first', got {self.priority!r}"
+            )
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+            _require_positive_int(name, getattr(self, name))
+        if self.num_threads is not None:
+            _require_positive_int("num_threads", self.num_threads)
+        if self.max_model_len is not None:
+            _require_positive_int("max_model_len", self.max_model_len)
+        if not self.session_resume_after_s >= 0:
+            raise KvtierError(
+                f"session_resume_after_s must be >= 0, got {self.session_resume_after_s!r}"
+            )
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device is not None:
+            if self.device.startswith("cuda") and not torch.cuda.is_available():
+                raise KvtierError("device 'cuda' requested but torch sees no CUDA device")
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or os.cpu_count() or 1
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KvtierError(f"{name} must be a positive integer, got {value!r}")

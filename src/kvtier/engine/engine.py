@@ -1,0 +1,488 @@
+"""Engine: requests in, tokens out. Wires tokenizer -> scheduler -> runner -> sampler.
+
+Three ways to drive it:
+- `add_request` + `step()` in a loop (what a benchmark or a custom server does);
+- `generate(prompts, params)` for offline batches;
+- `async for out in engine.stream(prompt, params)` for a server: a background thread runs
+  the steps; cancelling the consumer aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.engine.attention import PagedAttention
+from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.detokenizer import IncrementalDetokenizer
+from kvtier.engine.hashing import namespace_bytes
+from kvtier.engine.hooks import AttentionObserver, BlockEventListener
+from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvtier.engine.kv_pool import KVPool
+from kvtier.engine.llama import LlamaConfig, LlamaModel, load_weights
+from kvtier.engine.outputs import EngineStats, GenerationOutput, RequestOutput, ScoreOutput
+from kvtier.engine.request import FinishReason, Request
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.sessions import Clock, SessionTracker
+from kvtier.engine.stream_loop import StepLoop
+from kvtier.errors import KvtierError
+from kvtier.models import resolve_model_dir
+from kvtier.models.tokenizer import chat_token_ids, load_tokenizer
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+Params = SamplingParams | Mapping[str, Any] | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = config.resolved_device()
+        torch.set_num_threads(config.resolved_num_threads())
+        model_dir = resolve_model_dir(str(config.model_dir) if config.model_dir else None)
+        self.model_dir = model_dir
+        self.model_config = mc = LlamaConfig.from_model_dir(model_dir)
+        self.max_model_len = min(config.max_model_len or mc.max_context, mc.max_context)
+        self.dtype = getattr(torch, config.dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
+        self.namespace = config.namespace or default_namespace(model_dir, config.dtype)
+        with torch.inference_mode():
+            self.kv_pool = KVPool(
+                mc.num_layers,
+                mc.num_kv_heads,
+                mc.head_dim,
+                config.block_size,
+                self.dtype,
+                self.device,
+                config.kv_cache_bytes,
+            )
+            attention = PagedAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            self.model = LlamaModel(mc, load_weights(model_dir), attention, self.dtype, self.device)
+        self.block_pool = BlockPool(self.kv_pool.num_blocks, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, config.priority
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager, self.device)
+        self.sampler = Sampler()
+        self.sessions = SessionTracker(clock, config.session_resume_after_s)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # One lock around all state changes: the stream loop thread steps while callers add
+        # and abort from other threads.
+        self._lock = threading.RLock()
+        # Per-request output callbacks: whichever thread runs a step, each output reaches
+        # the consumer that asked for it (a stream's queue, a generate() call).
+        self._subscribers: dict[str, Callable[[RequestOutput], None]] = {}
+        self._step_loop: StepLoop | None = None
+        self.num_steps = 0
+        self.connector = None
+        if config.tiers is not None:
+            from kvtier.cache.connector import TieredConnector
+
+            self.connector = TieredConnector(self)
+
+    # ----- hooks -------------------------------------------------------------------------
+
+    def add_attention_observer(self, observer: AttentionObserver) -> None:
+        self.model.attention.observers.append(observer)
+
+    def remove_attention_observer(self, observer: AttentionObserver) -> None:
+        self.model.attention.observers.remove(observer)
+
+    def add_block_listener(self, listener: BlockEventListener) -> None:
+        self.block_pool.listeners.append(listener)
+
+    def remove_block_listener(self, listener: BlockEventListener) -> None:
+        self.block_pool.listeners.remove(listener)
+
+    # ----- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: Params = None,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        tenant: str | None = None,
+    ) -> str:
+        """Queue a request (text, token ids, or chat messages); returns its id.
+
+        `tenant` salts the block keys: requests of different tenants never share KV.
+        Raises KvtierError for input that cannot be served (empty, too long, bad params).
+        """
+        return self._add(prompt, sampling_params, request_id, session_id, tenant).request_id
+
+    def _add(
+        self,
+        prompt: Prompt,
+        sampling_params: Params,
+        request_id: str | None,
+        session_id: str | None,
+        tenant: str | None,
+        return_prompt_logits: bool = False,
+    ) -> Request:
+        params = _to_params(sampling_params)
+        token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids)
+        request_id = request_id or uuid.uuid4().hex
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            namespace_bytes(self.namespace, tenant),
+            generator=params.make_generator(self.device),
+            session_id=session_id,
+            tenant=tenant,
+            return_prompt_logits=return_prompt_logits,
+        )
+        with self._lock:
+            if request_id in self.scheduler.requests:
+                raise KvtierError(f"request id {request_id!r} is already in flight")
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop
+            )
+            if session_id is not None:
+                self.sessions.start_turn(session_id, request_id, len(token_ids))
+            self.scheduler.add(request)
+            if self.connector is not None:
+                self.connector.on_request_added(request)
+        if self._step_loop is not None:
+            self._step_loop.wake()
+        return request
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        elif prompt and all(isinstance(m, Mapping) for m in prompt):
+            token_ids = chat_token_ids(self.tokenizer, [dict(m) for m in prompt])
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise KvtierError("a prompt is a string, a list of token ids, or a list of messages")
+        if not token_ids:
+            raise KvtierError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise KvtierError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        return token_ids
+
+    def _check_fits(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise KvtierError(
+                f"prompt has {n} tokens but the model context is {self.max_model_len}, "
+                "leaving no room to generate; shorten the prompt"
+            )
+        # The prompt plus the first generated token must fit the pool on their own.
+        blocks = cdiv(n + 1, self.config.block_size)
+        if blocks > self.kv_pool.num_blocks:
+            raise KvtierError(
+                f"prompt has {n} tokens, needing {blocks} KV blocks, but the pool holds "
+                f"{self.kv_pool.num_blocks} (kv_cache_bytes={self.config.kv_cache_bytes}); "
+                "raise kv_cache_bytes or shorten the prompt"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its blocks; False if it is not in flight."""
+        with self._lock:
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                return False
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._dispatch([self._output(request, [], finished=True)])
+            return True
+
+    def fail_all(self, error: str) -> None:
+        """End every in-flight request with `error` (used when a step raised)."""
+        with self._lock:
+            outputs = []
+            for request in list(self.scheduler.requests.values()):
+                request.error = error
+                self.scheduler.finish(request, FinishReason.ERROR)
+                outputs.append(self._output(request, [], finished=True))
+            self._dispatch(outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ----- stepping ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return one output per request that moved."""
+        with self._lock:
+            self.num_steps += 1
+            sched = self.scheduler.schedule()
+            for request in sched.preempted:
+                request.prompt_logits.clear()  # recomputed after re-admission
+            for request in sched.admitted:
+                if self.connector is not None:
+                    self.connector.on_admitted(request)
+                else:
+                    cached = request.num_cached_tokens or 0
+                    request.metrics.prompt_token_sources = {
+                        "device": cached,
+                        "recomputed": request.num_prompt_tokens - cached,
+                    }
+                if request.session_id is not None:
+                    self.sessions.record_prefix(request.request_id, request.num_cached_tokens)
+            outputs = [self._output(r, [], finished=True) for r in sched.finished]
+            if sched.scheduled:
+                result = self.runner.execute(sched.scheduled)
+                for request, n in sched.scheduled:
+                    request.num_computed_tokens += n
+                    self.kv_manager.register_full_blocks(request)
+                if result.sampled:
+                    next_ids = self.sampler(
+                        result.logits,
+                        [r.sampling_params for r in result.sampled],
+                        [r.generator for r in result.sampled],
+                    )
+                    for request, token_id in zip(result.sampled, next_ids, strict=True):
+                        outputs.append(self._accept_token(request, token_id))
+            self._dispatch(outputs)
+            if self.connector is not None:
+                self.connector.after_step()
+            return outputs
+
+    def _accept_token(self, request: Request, token_id: int) -> RequestOutput:
+        request.append_token(token_id)
+        params = request.sampling_params
+        hit_stop_string = self._detokenizers[request.request_id].add_token(token_id)
+        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
+        if hit_stop_string or is_eos or token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+            or request.return_prompt_logits
+        ):
+            reason = FinishReason.LENGTH
+        else:
+            reason = None
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._output(request, [token_id], finished=reason is not None)
+
+    def _output(self, request: Request, new_ids: list[int], finished: bool) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        delta = detok.take_delta(finished)
+        if finished:
+            del self._detokenizers[request.request_id]
+            if self.connector is not None:
+                self.connector.on_request_finished(request)
+            if request.session_id is not None:
+                self.sessions.end_turn(request.request_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            delta_text=delta,
+            finished=finished,
+            finish_reason=request.finish_reason.value if finished else None,
+            error=request.error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics if finished else None,
+        )
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            callback = self._subscribers.get(out.request_id)
+            if callback is not None:
+                callback(out)
+
+    # ----- offline -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Params | Sequence[Params] = None,
+    ) -> list[GenerationOutput]:
+        """Run a batch of prompts to completion (in order of `prompts`).
+
+        A prompt that cannot be served gets an output with finish_reason "error" and the
+        message; the others run normally. Drives `step()` until its own requests finish.
+        """
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise KvtierError("give one sampling params per prompt, or a single one")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params] * len(prompts)
+        results: list[GenerationOutput | None] = [None] * len(prompts)
+        collected: dict[str, tuple[int, list[RequestOutput]]] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, per_prompt, strict=True)):
+                request_id = uuid.uuid4().hex
+                outs: list[RequestOutput] = []
+                self._subscribers[request_id] = outs.append
+                try:
+                    self.add_request(prompt, params, request_id)
+                except KvtierError as exc:
+                    del self._subscribers[request_id]
+                    results[i] = GenerationOutput(
+                        None, "", [], FinishReason.ERROR.value, error=str(exc)
+                    )
+                    continue
+                collected[request_id] = (i, outs)
+            while not all(outs and outs[-1].finished for _, outs in collected.values()):
+                self.step()  # serialized with the stream loop thread, if one runs
+        finally:
+            for request_id, (_, outs) in collected.items():
+                if not (outs and outs[-1].finished):
+                    self.abort(request_id)  # interrupted: do not leave work behind
+                self._subscribers.pop(request_id, None)
+        for request_id, (i, outs) in collected.items():
+            last = outs[-1]
+            results[i] = GenerationOutput(
+                request_id,
+                "".join(o.delta_text for o in outs),
+                [t for o in outs for t in o.new_token_ids],
+                last.finish_reason,
+                last.num_prompt_tokens,
+                last.num_cached_tokens,
+                last.metrics,
+                last.error,
+            )
+        return results  # type: ignore[return-value]
+
+    def score(self, prompts: Sequence[Prompt], tenant: str | None = None) -> list[ScoreOutput]:
+        """Logits of every computed prompt position, through the real scheduler and pool.
+
+        Batching, chunked prefill and prefix-cache reuse apply exactly as in serving (so
+        this is also how tests check them); used for perplexity-style evaluation.
+        """
+        greedy_one = SamplingParams(temperature=0, max_tokens=1)
+        requests = [self._add(p, greedy_one, None, None, tenant, True) for p in prompts]
+        while any(not r.is_finished for r in requests):
+            self.step()
+        return [
+            ScoreOutput(torch.cat(r.prompt_logits), r.prompt_logits_start, r.num_cached_tokens or 0)
+            for r in requests
+        ]
+
+    # ----- streaming ---------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: Params = None,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they are produced; the last has finished=True.
+
+        Leaving the loop early or cancelling the consuming task aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._subscribers:
+            raise KvtierError(f"request id {request_id!r} is already being streamed")
+        if self._step_loop is None:
+            with self._lock:
+                self._step_loop = self._step_loop or StepLoop(self)
+
+        def deliver(out: RequestOutput) -> None:
+            # RuntimeError: the consumer's event loop is closed; nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        self._subscribers[request_id] = deliver
+        try:
+            await asyncio.to_thread(
+                self.add_request, prompt, sampling_params, request_id, session_id, tenant
+            )
+        except BaseException:
+            self._subscribers.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._subscribers.pop(request_id, None)
+            if not finished:
+                self._step_loop.abort_soon(request_id)
+
+    def close(self) -> None:
+        """Stop the background step loop (if streaming started it)."""
+        if self._step_loop is not None:
+            self._step_loop.close()
+            self._step_loop = None
+        if self.connector is not None:
+            self.connector.close()
+
+    # ----- observability -----------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            pool = self.block_pool
+            return EngineStats(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_blocks_total=pool.num_blocks,
+                kv_blocks_used=pool.num_used,
+                kv_blocks_cached_idle=pool.num_cached_idle,
+                kv_usage=pool.num_used / pool.num_blocks,
+                prefix_cache_queries=self.kv_manager.prefix_queries,
+                prefix_cache_hits=self.kv_manager.prefix_hits,
+                num_preemptions=self.scheduler.num_preemptions,
+                num_evictions=pool.num_evictions,
+                num_steps=self.num_steps,
+                tiers=None if self.connector is None else self.connector.stats(),
+            )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop all idle cached blocks (e.g. to measure a cold start); returns how many."""
+        with self._lock:
+            return self.block_pool.reset_prefix_cache()
+
+
+def _to_params(params: Params) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams.from_dict(params)
+    raise KvtierError(f"sampling params must be SamplingParams or a dict, got {type(params)}")
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def default_namespace(model_dir: Path, dtype: str) -> str:
+    """Model id for block keys: folder name, dtype, and a digest of config + weight files.
+
+    The digest (config bytes, weight file names and sizes; cheap, no weight hashing) keeps two
+    fine-tunes in same-named folders apart; the dtype does because their KV bytes differ.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return f"{model_dir.name}:{dtype}:{digest.hexdigest()}"

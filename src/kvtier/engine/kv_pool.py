@@ -1,0 +1,123 @@
+"""The device KV tensor: a fixed number of blocks carved from a byte budget.
+
+Layout `[num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]`:
+- block-major: all layers' K and V of one block form one contiguous slab, and consecutive
+  block ids are consecutive slabs. Moving a block between tiers (spill, prefetch) is one
+  memcpy, and a run of blocks is one larger memcpy.
+- inside a block, each (layer, K|V, head) is a contiguous row of `block_size * head_dim`
+  values. Gathering a sequence's rows ordered (head, block) therefore yields K as
+  [heads, tokens, head_dim] with no transpose, the layout attention's matmuls read fastest
+  (measured: decode attention at 32 sequences 2-4x faster than from a transposed gather).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+from kvtier.engine.hooks import BlockCodec, IdentityCodec
+from kvtier.errors import KvtierError
+
+_IDENTITY = IdentityCodec()
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        budget_bytes: int,
+    ) -> None:
+        self.block_shape = torch.Size((num_layers, 2, num_kv_heads, block_size, head_dim))
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = self.block_shape.numel() * element_bytes
+        self._row_numel = block_size * head_dim  # one (block, layer, K|V, head)
+        self._kv_stride = num_kv_heads * block_size  # K -> V, in head_dim vectors
+        self._layer_stride = 2 * self._kv_stride  # layer -> layer + 1
+        self.num_blocks = budget_bytes // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise KvtierError(
+                f"kv_cache_bytes={budget_bytes} is smaller than one KV block "
+                f"({self.bytes_per_block} bytes); raise kv_cache_bytes"
+            )
+        # Zeros, not empty: padded attention reads slots nobody wrote, and although their
+        # weights are 0, uninitialized NaN bit patterns would still poison 0 * NaN.
+        self.kv = _zeros((self.num_blocks, *self.block_shape), dtype, torch.device(device))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def slot_index(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Where new tokens go: [N * kv_heads] vectors (of head_dim) of layer 0's K, in
+        (token, head) order. Computed once per step; `write_slots` shifts it per layer."""
+        h = self.num_kv_heads
+        heads = torch.arange(h, device=block_ids.device)
+        first = (block_ids * (self.num_layers * 2 * h))[:, None] + heads[None, :]
+        return (first * self.block_size + offsets[:, None]).reshape(-1)
+
+    def write_slots(
+        self, layer: int, slot_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store one layer's K/V of a step's new tokens ([N, kv_heads, head_dim] each)."""
+        # index_copy_ of head_dim vectors: 4x faster than index_put_ with broadcast indices.
+        vectors = self.kv.view(-1, self.head_dim)
+        k_index = slot_index + layer * self._layer_stride
+        vectors.index_copy_(0, k_index, key.reshape(-1, self.head_dim))
+        vectors.index_copy_(0, k_index + self._kv_stride, value.reshape(-1, self.head_dim))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for `block_tables` [B, nb]: each [B, kv_heads, nb * bs, D]."""
+        b, nb = block_tables.shape
+        h = self.num_kv_heads
+        # Row of (block, layer, K, head) = ((block * layers + layer) * 2 * heads) + head; V
+        # rows follow K's by `heads`. index_select copies whole rows (advanced indexing with
+        # mixed int/tensor indices was 7x slower on CPU).
+        base = (block_tables * self.num_layers + layer) * (2 * h)
+        k_rows = (base[:, None, :] + torch.arange(h, device=base.device)[None, :, None]).view(-1)
+        rows = self.kv.view(-1, self._row_numel)
+        shape = (b, h, nb * self.block_size, self.head_dim)
+        return rows.index_select(0, k_rows).view(shape), rows.index_select(0, k_rows + h).view(
+            shape
+        )
+
+    def read_block(self, block_id: int, codec: BlockCodec = _IDENTITY) -> torch.Tensor:
+        """A copy of one block in the codec's stored form (full precision by default)."""
+        return codec.encode(self.kv[block_id])
+
+    def write_block(
+        self, block_id: int, payload: torch.Tensor, codec: BlockCodec = _IDENTITY
+    ) -> None:
+        """Fill one block from a payload in the codec's form.
+
+        The caller records `codec.form` in the block pool's metadata (`BlockPool.set_form`),
+        which is where block bookkeeping lives; this class only moves bytes.
+        """
+        self.kv[block_id].copy_(codec.decode(payload, self.block_shape, self.dtype))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor; on CPU backed by memory advised to use transparent huge pages.
+
+    Attention reads a few KB from each of many blocks spread over the whole pool every
+    layer; with 4 KB pages those reads miss the TLB constantly (measured: decode at 32
+    sequences 30% faster with huge pages). Anonymous mmap memory is zeroed by the kernel.
+    """
+    if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps `buffer` alive through the buffer protocol.
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)

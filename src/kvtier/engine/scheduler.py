@@ -1,0 +1,177 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step the scheduler hands out at most `max_num_batched_tokens` tokens of work:
+- a running decode needs 1 token; a prompt (or a preempted request being recomputed) needs
+  the rest of its uncomputed tokens and gets a chunk of whatever budget is left, so a long
+  prefill spreads over several steps instead of stalling everyone's decode;
+- `decode_first` (default) serves running decodes before any prefill chunk; `prefill_first`
+  serves prefill chunks and new admissions first and gives decodes what is left.
+When the pool cannot hold a request's next tokens, the most recently admitted request that
+is not yet scheduled this step is preempted, recompute style: its blocks are released (its
+full blocks stay in the prefix cache, so re-admission usually hits them) and it goes back to
+the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvtier.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The work of one step, in scheduling order."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    admitted: list[Request] = field(default_factory=list)  # first admission this step
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        priority: str = "decode_first",
+    ) -> None:
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.priority = priority
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Optional tiered KV connector (kvtier.cache): extends a prefix lookup with blocks
+        # restored from lower tiers.
+        self.connector = None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.max_num_batched_tokens]
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.priority == "decode_first":
+            self._schedule_running(decodes + prefills, budget, out)
+            if not out.preempted:
+                self._admit_waiting(budget, out)
+        else:
+            self._schedule_running(prefills, budget, out)
+            if not out.preempted:
+                self._admit_waiting(budget, out)
+            self._schedule_running(decodes, budget, out)
+        return out
+
+    def _schedule_running(
+        self, order: list[Request], budget: list[int], out: SchedulerOutput
+    ) -> None:
+        scheduled = {r.request_id for r, _ in out.scheduled}
+        for request in order:
+            if budget[0] == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            while not self.kv.allocate(request, n):
+                victim = self._pick_victim(exclude=scheduled)
+                if victim is None or victim is request:
+                    self._out_of_memory(request, out)
+                    break
+                self._preempt(victim, out)
+            else:
+                out.scheduled.append((request, n))
+                scheduled.add(request.request_id)
+                budget[0] -= n
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        """The most recently admitted running request not already scheduled this step."""
+        for request in reversed(self.running):
+            if request.request_id not in exclude:
+                return request
+        return None
+
+    def _out_of_memory(self, request: Request, out: SchedulerOutput) -> None:
+        # Nothing left to preempt but this request. If others still hold blocks it waits
+        # for them (preempt itself); if it is alone, the pool can never fit it: end it.
+        if len(self.running) > 1:
+            self._preempt(request, out)
+        else:
+            self._end_oversized(request, out)
+
+    def _end_oversized(self, request: Request, out: SchedulerOutput) -> None:
+        request.error = (
+            f"KV pool exhausted: {request.num_tokens} tokens need "
+            f"{cdiv(request.num_tokens, self.block_size)} blocks, the pool has "
+            f"{self.kv.block_pool.num_blocks}"
+        )
+        self.finish(request, FinishReason.LENGTH)
+        out.finished.append(request)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, budget: list[int], out: SchedulerOutput) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            if self.connector is not None:
+                cached = self.connector.extend_prefix(request, cached)
+            num_cached_tokens = len(cached) * self.block_size
+            n = min(request.num_tokens - num_cached_tokens, budget[0])
+            if not self.kv.allocate(request, n, cached):
+                if self.running:
+                    return  # wait for running requests to release blocks; keep FCFS order
+                # Nobody else holds blocks, so the pool can never fit it (a preempted
+                # request whose output grew past the pool): end it rather than spin.
+                self._end_oversized(request, out)
+                continue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached_tokens
+                request.metrics.first_scheduled_time = time.perf_counter()
+                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
+                out.admitted.append(request)
+            out.scheduled.append((request, n))
+            budget[0] -= n
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is and release its blocks."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_time = time.perf_counter()

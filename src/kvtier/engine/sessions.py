@@ -1,0 +1,96 @@
+"""Session tracker: ties the turns of a conversation and classifies each turn.
+
+A turn is `new` (first of its session), `continuing` (arrives within `resume_after_s` of the
+previous turn's end, while its KV is presumably still hot) or `resumed` (later: the KV may
+have been evicted or moved down a tier). Each turn also records how much of its prompt was
+found on device. Time comes from an injectable `Clock` so trace replays and the simulator can
+run in trace time.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class MonotonicClock:
+    """Real time, in seconds, immune to wall-clock jumps."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class TurnKind(enum.StrEnum):
+    NEW = "new"
+    CONTINUING = "continuing"
+    RESUMED = "resumed"
+
+
+@dataclass
+class TurnRecord:
+    session_id: str
+    turn_index: int
+    request_id: str
+    kind: TurnKind
+    gap_s: float | None  # since the previous turn ended (None for the first turn)
+    num_prompt_tokens: int
+    started_at: float
+    num_cached_tokens: int | None = None  # set when the turn is first scheduled
+    ended_at: float | None = None
+
+    @property
+    def prefix_on_device(self) -> float | None:
+        """Fraction of the prompt whose KV was found in the device prefix cache."""
+        if self.num_cached_tokens is None:
+            return None
+        return self.num_cached_tokens / self.num_prompt_tokens
+
+
+class SessionTracker:
+    def __init__(self, clock: Clock | None = None, resume_after_s: float = 30.0) -> None:
+        self.clock = clock or MonotonicClock()
+        self.resume_after_s = resume_after_s
+        self.sessions: dict[str, list[TurnRecord]] = {}
+        self._by_request: dict[str, TurnRecord] = {}
+
+    def start_turn(self, session_id: str, request_id: str, num_prompt_tokens: int) -> TurnRecord:
+        now = self.clock.now()
+        turns = self.sessions.setdefault(session_id, [])
+        if not turns:
+            kind, gap = TurnKind.NEW, None
+        else:
+            # A turn that arrives while the previous one still runs is plainly continuing.
+            previous_end = turns[-1].ended_at if turns[-1].ended_at is not None else now
+            gap = now - previous_end
+            kind = TurnKind.CONTINUING if gap <= self.resume_after_s else TurnKind.RESUMED
+        record = TurnRecord(
+            session_id=session_id,
+            turn_index=len(turns),
+            request_id=request_id,
+            kind=kind,
+            gap_s=gap,
+            num_prompt_tokens=num_prompt_tokens,
+            started_at=now,
+        )
+        turns.append(record)
+        self._by_request[request_id] = record
+        return record
+
+    def record_prefix(self, request_id: str, num_cached_tokens: int) -> None:
+        record = self._by_request.get(request_id)
+        if record is not None:
+            record.num_cached_tokens = num_cached_tokens
+
+    def end_turn(self, request_id: str) -> None:
+        record = self._by_request.pop(request_id, None)
+        if record is not None:
+            record.ended_at = self.clock.now()
+
+    def turns(self, session_id: str) -> list[TurnRecord]:
+        return list(self.sessions.get(session_id, []))

@@ -1,0 +1,111 @@
+"""Block pool and KV pool: LRU of idle cached blocks, lifecycle events, stored forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.hooks import FULL_FORM
+from kvtier.engine.kv_pool import KVPool
+from kvtier.errors import KvtierError
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_block_filled(self, block_id: int, key: bytes) -> None:
+        self.events.append(("filled", block_id, key))
+
+    def on_block_freed(self, block_id: int) -> None:
+        self.events.append(("freed", block_id))
+
+    def on_block_evicted(self, block_id: int, key: bytes) -> None:
+        self.events.append(("evicted", block_id, key))
+
+
+def test_idle_cached_blocks_are_evicted_oldest_first_and_only_when_needed():
+    pool = BlockPool(4)
+    recorder = Recorder()
+    pool.add_listener(recorder)
+    a, b, c, d = pool.allocate(4)
+    for block_id, key in ((a, b"A"), (b, b"B"), (c, b"C")):
+        assert pool.cache_block(block_id, key)
+    pool.release([b])
+    pool.release([a])
+    pool.release([d])  # never cached: straight back to the free queue
+    assert pool.num_allocatable == 3 and pool.lookup(b"A") == a  # idle, still hittable
+
+    (first,) = pool.allocate(1)
+    assert first == d  # free blocks go before any cached one is evicted
+    (second,) = pool.allocate(1)
+    assert second == b and pool.lookup(b"B") is None  # the least recently freed goes first
+    assert recorder.events == [
+        ("filled", a, b"A"),
+        ("filled", b, b"B"),
+        ("filled", c, b"C"),
+        ("freed", b),
+        ("freed", a),
+        ("evicted", b, b"B"),
+    ]
+
+
+def test_a_hit_revives_an_idle_block_and_protects_it_from_eviction():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, b"A")
+    pool.release([a])
+    pool.touch([a])
+    assert pool.ref_counts[a] == 1 and pool.num_allocatable == 1
+    with pytest.raises(RuntimeError):
+        pool.allocate(2)
+
+
+def test_duplicate_content_keeps_the_first_block():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, b"K")
+    assert not pool.cache_block(b, b"K")
+    pool.release([b])
+    assert list(pool.free_block_ids) == [b]  # the duplicate is simply free again
+
+
+def test_kv_pool_never_exceeds_its_budget():
+    pool = KVPool(30, 3, 64, 16, torch.bfloat16, "cpu", budget_bytes=10 * 368_640 + 5)
+    assert pool.bytes_per_block == 30 * 2 * 16 * 3 * 64 * 2 == 368_640
+    assert pool.num_blocks == 10
+    assert pool.kv.numel() * pool.kv.element_size() == pool.capacity_bytes <= 10 * 368_640 + 5
+    with pytest.raises(KvtierError, match="smaller than one KV block"):
+        KVPool(30, 3, 64, 16, torch.bfloat16, "cpu", budget_bytes=1000)
+
+
+class HalfCodec:
+    """A lossy stored form: float16 payload."""
+
+    form = "fp16"
+
+    def encode(self, block: torch.Tensor) -> torch.Tensor:
+        return block.to(torch.float16)
+
+    def decode(self, payload: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return payload.reshape(shape).to(dtype)
+
+
+def test_blocks_copy_out_and_in_through_a_codec():
+    pool = KVPool(2, 1, 4, 4, torch.float32, "cpu", budget_bytes=3 * 2 * 2 * 4 * 4 * 4)
+    pool.kv[1].normal_()
+    full = pool.read_block(1)
+    assert torch.equal(full, pool.kv[1]) and full.data_ptr() != pool.kv[1].data_ptr()
+    pool.write_block(2, full)
+    assert torch.equal(pool.kv[2], pool.kv[1])
+
+    meta = BlockPool(3)
+    payload = pool.read_block(1, HalfCodec())
+    assert payload.dtype == torch.float16
+    pool.write_block(0, payload, HalfCodec())
+    meta.set_form(0, HalfCodec.form)
+    assert torch.allclose(pool.kv[0], pool.kv[1], atol=1e-2)
+    assert meta.forms[0] == "fp16"
+    meta.allocate(1)  # a fresh owner recomputes the block: exact again
+    assert meta.forms[0] == FULL_FORM

@@ -1,0 +1,80 @@
+"""Sessions: turns are new / continuing / resumed by the gap since the previous turn ended,
+and a follow-up turn finds its history's KV on device."""
+
+from __future__ import annotations
+
+from kvtier.engine import SamplingParams
+from kvtier.engine.sessions import SessionTracker, TurnKind
+
+from .conftest import FakeClock
+
+
+def test_turn_kinds_follow_the_gap_since_the_previous_turn_ended():
+    clock = FakeClock()
+    tracker = SessionTracker(clock, resume_after_s=30)
+    first = tracker.start_turn("s", "r1", 10)
+    clock.advance(100)  # a long first turn: the gap counts from its end, not its start
+    tracker.end_turn("r1")
+    clock.advance(29)
+    second = tracker.start_turn("s", "r2", 20)
+    tracker.end_turn("r2")
+    clock.advance(31)
+    third = tracker.start_turn("s", "r3", 30)
+    other = tracker.start_turn("other", "r4", 5)
+
+    assert [first.kind, second.kind, third.kind] == [
+        TurnKind.NEW,
+        TurnKind.CONTINUING,
+        TurnKind.RESUMED,
+    ]
+    assert second.gap_s == 29 and third.gap_s == 31
+    assert other.kind is TurnKind.NEW
+    assert [t.turn_index for t in tracker.turns("s")] == [0, 1, 2]
+
+
+def test_turn_arriving_while_the_previous_runs_is_continuing():
+    clock = FakeClock()
+    tracker = SessionTracker(clock, resume_after_s=30)
+    tracker.start_turn("s", "r1", 10)
+    clock.advance(500)
+    assert tracker.start_turn("s", "r2", 10).kind is TurnKind.CONTINUING
+
+
+def test_second_turn_finds_its_prefix_on_device(chunked_engine, fake_clock):
+    engine = chunked_engine
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    history = [{"role": "user", "content": "Name a large city in Japan."}]
+    turn1 = engine.add_request(history, greedy, session_id="chat-1")
+    text = _run_to_end(engine, turn1)
+
+    fake_clock.advance(5)
+    history += [
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "And one in Italy?"},
+    ]
+    turn2 = engine.add_request(history, greedy, session_id="chat-1")
+    _run_to_end(engine, turn2)
+
+    fake_clock.advance(3600)
+    turn3 = engine.add_request(history, greedy, session_id="chat-1")
+    _run_to_end(engine, turn3)
+
+    first, second, third = engine.sessions.turns("chat-1")
+    assert (first.kind, second.kind, third.kind) == (
+        TurnKind.NEW,
+        TurnKind.CONTINUING,
+        TurnKind.RESUMED,
+    )
+    assert first.num_cached_tokens == 0
+    # Turn 1's prompt blocks (and the full blocks of its answer) are reused by turn 2.
+    assert second.num_cached_tokens >= (first.num_prompt_tokens // 16) * 16 > 0
+    assert 0 < second.prefix_on_device < 1
+    assert second.gap_s == 5 and third.gap_s == 3600
+    assert third.ended_at is not None
+
+
+def _run_to_end(engine, request_id: str) -> str:
+    text = []
+    while engine.has_unfinished_requests():
+        text += [o.delta_text for o in engine.step() if o.request_id == request_id]
+    return "".join(text)
