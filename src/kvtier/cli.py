@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.analyze.command",
         "new/continuing/resumed turns, gaps, prefix sharing, KV a workload implies",
     ),
+    "serve": (
+        "kvtier.server.command",
+        "OpenAI-compatible server with sessions, tenants and Prometheus metrics",
+    ),
     "model": (
         "kvtier.models.command",
         "locate/convert the embedded model, run a generation smoke test",

@@ -1,0 +1,1 @@
+"""`kvtier serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around the Engine."""

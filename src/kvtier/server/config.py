@@ -1,0 +1,153 @@
+"""ServerConfig: tenants (API keys, quotas), limits and names, from TOML and/or CLI flags.
+
+TOML (the `[server]` table of a kvtier config file)::
+
+    [server]
+    model_name = "smollm2"
+    admin_key = "admin-secret"
+    max_concurrent_requests = 64
+    max_prompt_tokens = 4096
+    max_body_bytes = 1048576
+
+    [server.tenants.acme]
+    api_key = "sk-acme"
+    device_quota_bytes = 67108864   # idle cached KV this tenant may keep on device
+
+No tenant configured = one anonymous tenant (no key needed), for local use.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KvtierError
+
+DEFAULT_MODEL_NAME = "smollm2"
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    api_key: str
+    device_quota_bytes: int | None = None  # None: no quota
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = DEFAULT_MODEL_NAME
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    admin_key: str | None = None
+    max_concurrent_requests: int = 64
+    max_prompt_tokens: int | None = None  # None: the engine's context limit only
+    max_body_bytes: int = 1 << 20
+    max_tokens_default: int = 256
+    max_output_tokens: int | None = None  # None: up to the model context
+    graceful_shutdown_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise KvtierError("server.model_name must be a non-empty string")
+        for name in ("max_concurrent_requests", "max_body_bytes", "max_tokens_default"):
+            _positive_int(f"server.{name}", getattr(self, name))
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            if getattr(self, name) is not None:
+                _positive_int(f"server.{name}", getattr(self, name))
+        for name in self.tenants:
+            if not name or "/" in name:
+                raise KvtierError(f"tenant name {name!r}: non-empty, without '/'")
+        keys = [t.api_key for t in self.tenants.values()]
+        if len(set(keys)) != len(keys):
+            raise KvtierError("two tenants share an api_key; give each tenant its own")
+        if self.admin_key is not None and self.admin_key in keys:
+            raise KvtierError("admin_key must differ from every tenant api_key")
+
+    @property
+    def anonymous(self) -> bool:
+        """No tenant configured: every request is served as one anonymous tenant."""
+        return not self.tenants
+
+    def tenant_for_key(self, api_key: str) -> TenantConfig | None:
+        for tenant in self.tenants.values():
+            if _consteq(tenant.api_key, api_key):
+                return tenant
+        return None
+
+    @classmethod
+    def from_mapping(cls, table: dict[str, Any]) -> ServerConfig:
+        """Build from the `[server]` table of a TOML file; unknown keys are errors."""
+        table = dict(table)
+        tenants_table = table.pop("tenants", {}) or {}
+        if not isinstance(tenants_table, dict):
+            raise KvtierError("server.tenants must be a table of tables")
+        tenants = {}
+        for name, spec in tenants_table.items():
+            if not isinstance(spec, dict):
+                raise KvtierError(f"server.tenants.{name} must be a table")
+            tenants[name] = tenant_from_mapping(name, spec)
+        known = {
+            "model_name",
+            "admin_key",
+            "max_concurrent_requests",
+            "max_prompt_tokens",
+            "max_body_bytes",
+            "max_tokens_default",
+            "max_output_tokens",
+            "graceful_shutdown_s",
+        }
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise KvtierError(
+                f"unknown server setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(tenants=tenants, **table)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> ServerConfig:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise KvtierError(f"cannot read server config {path}: {exc}") from exc
+        return cls.from_mapping(data.get("server", {}))
+
+
+def tenant_from_mapping(name: str, spec: dict[str, Any]) -> TenantConfig:
+    unknown = sorted(set(spec) - {"api_key", "device_quota_bytes"})
+    if unknown:
+        raise KvtierError(f"server.tenants.{name}: unknown key(s) {', '.join(unknown)}")
+    api_key = spec.get("api_key")
+    if not isinstance(api_key, str) or not api_key:
+        raise KvtierError(f"server.tenants.{name}.api_key must be a non-empty string")
+    quota = spec.get("device_quota_bytes")
+    if quota is not None:
+        _positive_int(f"server.tenants.{name}.device_quota_bytes", quota)
+    return TenantConfig(name, api_key, quota)
+
+
+def parse_tenant_flag(value: str) -> TenantConfig:
+    """`NAME:API_KEY[:QUOTA_BYTES]` from the command line."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+        raise KvtierError(f"--tenant wants NAME:API_KEY[:QUOTA_BYTES], got {value!r}")
+    quota = None
+    if len(parts) == 3:
+        try:
+            quota = int(parts[2])
+        except ValueError:
+            msg = f"--tenant quota must be an integer of bytes, got {parts[2]!r}"
+            raise KvtierError(msg) from None
+        _positive_int("--tenant quota", quota)
+    return TenantConfig(parts[0], parts[1], quota)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KvtierError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _consteq(a: str, b: str) -> bool:
+    import hmac
+
+    return hmac.compare_digest(a.encode(), b.encode())
