@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.analyze.command",
         "new/continuing/resumed turns, gaps, prefix sharing, KV a workload implies",
     ),
+    "bench": (
+        "kvtier.bench.command",
+        "run a multi-turn workload on the real engine under several policies",
+    ),
     "serve": (
         "kvtier.server.command",
         "OpenAI-compatible server with sessions, tenants and Prometheus metrics",

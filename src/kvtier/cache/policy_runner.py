@@ -1,0 +1,255 @@
+"""PolicyRunner: the retention policy driven by the engine, acting on real blocks.
+
+Every `interval_s` of the engine's clock (the SessionTracker's, so replays run in trace time)
+and when the device pool runs short while requests wait, it builds a `kvtier.policy.view`
+snapshot (sessions, their chunks and where each lives, tier budgets, the waiting queue), calls
+`policy.decide(view, now)` and executes the actions:
+
+- `Move(session, chunk, tier)`: a chunk on the device is copied out as ONE payload (all its
+  blocks) into `tier` and its idle device blocks are freed; a chunk already in a lower tier is
+  demoted by the store. Moves up, or of blocks in use, are skipped (counted).
+- `Drop(session, chunk)`: idle device blocks freed, stored copies deleted.
+- `Keep`: counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.policy.actions import Drop, Keep, Move
+from kvtier.policy.config import PolicyConfig
+from kvtier.policy.registry import build_policy
+from kvtier.policy.view import (
+    TIER_RANK,
+    ChunkView,
+    PolicyView,
+    QueueView,
+    SessionView,
+    TierView,
+    TurnView,
+)
+from kvtier.tiers import Chunk
+
+if TYPE_CHECKING:
+    from kvtier.cache.connector import TieredConnector
+    from kvtier.policy.actions import Action
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SessionKeys:
+    keys: tuple[bytes, ...]
+    namespace: str
+
+
+class PolicyRunner:
+    def __init__(
+        self, connector: TieredConnector, policy: str, config: PolicyConfig | None
+    ) -> None:
+        self.connector = connector
+        self.config = (config or PolicyConfig()).model_copy(update={"name": policy})
+        self.policy_name = policy
+        self.policy = build_policy(self.config, connector.config.cost_profile)
+        self.cost_model = self.config.cost_model(connector.config.cost_profile)
+        self.interval_s = self.config.interval_s
+        self.sessions: dict[str, _SessionKeys] = {}
+        self.decisions: Counter[str] = Counter({"keep": 0, "move": 0, "drop": 0})
+        self.runs: Counter[str] = Counter({"timer": 0, "pressure": 0})
+        self.skipped: Counter[str] = Counter()
+        self._last_run: float | None = None
+        self._steps_since_pressure = 0
+
+    @property
+    def clock(self):
+        return self.connector.engine.sessions.clock
+
+    def remember_session(self, session_id: str, keys: tuple[bytes, ...], namespace: str) -> None:
+        self.sessions[session_id] = _SessionKeys(keys, namespace)
+
+    # ----- triggers ------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        now = self.clock.now()
+        if self._last_run is None:
+            self._last_run = now
+        if now - self._last_run >= self.interval_s:
+            self.run("timer")
+            return
+        self._steps_since_pressure += 1
+        scheduler = self.connector.engine.scheduler
+        if scheduler.waiting and self._steps_since_pressure >= 8:
+            head = scheduler.waiting[0]
+            need = -(-head.num_tokens // self.connector.block_size)
+            if not self.connector.block_pool.free_block_ids or (
+                self.connector.block_pool.num_allocatable < need
+            ):
+                self.run("pressure", need * self.connector.bytes_per_block)
+
+    def run(self, reason: str = "timer", bytes_needed: int = 0) -> list[Action]:
+        """Snapshot, decide, execute; returns the actions (tests and tools call it directly)."""
+        now = self.clock.now()
+        self._last_run = now
+        self._steps_since_pressure = 0
+        self.runs[reason] += 1
+        view = self.view(reason, bytes_needed)
+        try:
+            actions = self.policy.decide(view, now)
+        except Exception:  # a broken policy must not take serving down
+            log.exception("policy %s failed to decide", self.policy_name)
+            self.skipped["policy_error"] += 1
+            return []
+        for action in actions:
+            self.execute(action)
+        return actions
+
+    # ----- the view ------------------------------------------------------------------------
+
+    def _chunk_views(self, keys: tuple[bytes, ...], namespace: str, last_access: float):
+        c = self.connector
+        pool = c.block_pool
+        views = []
+        for index, chunk_keys in enumerate(c.chunk_keys(keys)):
+            on_device = sum(1 for k in chunk_keys if pool.lookup(k) is not None)
+            start = index * c.blocks_per_chunk * c.block_size
+            end = start + len(chunk_keys) * c.block_size
+            if on_device:
+                tier, size = "device", on_device * c.bytes_per_block
+            else:
+                placement = c.store.locate(Chunk(chunk_keys, namespace).id)
+                if placement is not None:
+                    tier, size = placement.tier, placement.nbytes
+                else:
+                    tier, size = None, len(chunk_keys) * c.bytes_per_block
+            views.append(ChunkView(index, start, end, tier, size, "full", last_access))
+        return tuple(views)
+
+    def view(self, reason: str = "timer", bytes_needed: int = 0) -> PolicyView:
+        c = self.connector
+        engine = c.engine
+        tracker = engine.sessions
+        sessions = []
+        for session_id, turns in tracker.sessions.items():
+            if not turns:
+                continue
+            last = turns[-1]
+            active = last.ended_at is None
+            stored = self.sessions.get(session_id)
+            chunks: tuple[ChunkView, ...] = ()
+            if stored is not None:
+                access = last.ended_at if last.ended_at is not None else last.started_at
+                chunks = self._chunk_views(stored.keys, stored.namespace, access)
+            sessions.append(
+                SessionView(
+                    session_id=session_id,
+                    tenant=stored.namespace if stored else "default",
+                    turns=tuple(
+                        TurnView(t.started_at, t.num_prompt_tokens, t.ended_at) for t in turns
+                    ),
+                    chunks=chunks,
+                    active=active,
+                    idle_since=None if active else last.ended_at,
+                )
+            )
+        pool = c.block_pool
+        tiers = [
+            TierView(
+                "device",
+                (pool.num_blocks - len(pool.free_block_ids)) * c.bytes_per_block,
+                pool.num_blocks * c.bytes_per_block,
+            )
+        ]
+        tiers += [
+            TierView(name, tier.used_bytes, tier.capacity_bytes)
+            for name, tier in c.store.tiers.items()
+        ]
+        waiting = engine.scheduler.waiting
+        queue = QueueView(len(waiting), sum(r.num_tokens for r in waiting))
+        return PolicyView(
+            sessions=tuple(sessions),
+            tiers=tuple(tiers),
+            queue=queue,
+            bytes_per_token=c.bytes_per_block // c.block_size,
+            reason="pressure" if reason == "pressure" else "timer",
+            bytes_needed=bytes_needed,
+        )
+
+    # ----- actions -------------------------------------------------------------------------
+
+    def execute(self, action: Action) -> None:
+        if isinstance(action, Keep):
+            self.decisions["keep"] += 1
+            return
+        stored = self.sessions.get(action.session_id)
+        if stored is None:
+            self.skipped["unknown_session"] += 1
+            return
+        chunks = self.connector.chunk_keys(stored.keys)
+        indices = range(len(chunks)) if action.chunk_idx is None else [action.chunk_idx]
+        kind = "move" if isinstance(action, Move) else "drop"
+        self.decisions[kind] += 1
+        for index in indices:
+            if not 0 <= index < len(chunks):
+                self.skipped["bad_chunk"] += 1
+                continue
+            if isinstance(action, Move):
+                self._move(chunks[index], stored.namespace, action.tier)
+            elif isinstance(action, Drop):
+                self._drop(chunks[index], stored.namespace)
+
+    def _move(self, keys: tuple[bytes, ...], namespace: str, tier: str) -> None:
+        c = self.connector
+        pool = c.block_pool
+        ids = [pool.lookup(k) for k in keys]
+        if tier == "device" or tier not in c.store.tiers:
+            self.skipped["move_target"] += 1
+            return
+        if ids and ids[0] is not None:
+            run = []
+            for block in ids:
+                if block is None:
+                    break
+                run.append(block)
+            if any(pool.ref_counts[b] for b in run):
+                self.skipped["in_use"] += 1
+                return
+            chunk = Chunk(keys[: len(run)], namespace)
+            if c.store.locate(chunk.id) is None:
+                payload = c.gather(run)
+                if not c.store.put(chunk, payload, tier=tier):
+                    self.skipped["put_failed"] += 1
+                    return
+                c.counters[f"policy_moved_bytes_device->{tier}"] += payload.nbytes
+            elif c.store.locate(chunk.id).tier != tier:
+                self._demote(chunk, tier)
+            c.drop_device_blocks([k for k, b in zip(keys, ids, strict=True) if b is not None])
+            return
+        c.drop_device_blocks(keys)
+        chunk = Chunk(keys, namespace)
+        self._demote(chunk, tier)
+
+    def _demote(self, chunk: Chunk, tier: str) -> None:
+        c = self.connector
+        placement = c.store.locate(chunk.id)
+        if placement is None:
+            self.skipped["not_stored"] += 1
+            return
+        if TIER_RANK[tier] <= TIER_RANK[placement.tier]:
+            self.skipped["move_up"] += 1
+            return
+        if c.store.demote(chunk.id, to=tier):
+            c.counters[f"policy_moved_bytes_{placement.tier}->{tier}"] += placement.nbytes
+
+    def _drop(self, keys: tuple[bytes, ...], namespace: str) -> None:
+        c = self.connector
+        dropped = c.drop_device_blocks(keys)
+        c.counters["policy_dropped_blocks"] += dropped
+        # every stored prefix-length variant of this chunk goes too
+        for length in range(len(keys), 0, -1):
+            chunk_id = Chunk(keys[:length], namespace).id
+            if c.store.locate(chunk_id) is not None:
+                c.store.delete(chunk_id)
+                c.counters["policy_deleted_chunks"] += 1

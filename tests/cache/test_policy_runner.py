@@ -1,0 +1,66 @@
+"""The retention policy acting on the engine's real blocks through the policy runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cache import TiersConfig
+from kvtier.cache.connector import attach_connector
+from kvtier.policy.config import OffloadSection, PolicyConfig
+
+from .scenario import GREEDY, assert_no_leak, drain, make_turns, run_second
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+
+
+def first_turn(engine, turns) -> list[int]:
+    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
+    return drain(engine)[rid]
+
+
+def session_tiers(connector) -> list[str | None]:
+    view = connector.runner.view()
+    (session,) = [s for s in view.sessions if s.session_id == "s1"]
+    return [chunk.tier for chunk in session.chunks]
+
+
+def test_recompute_policy_drops_idle_session(engine, expected, clock):
+    turns = make_turns(0)
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "recompute"
+    )
+    first = first_turn(engine, turns)
+    assert first == expected[0]
+    assert set(session_tiers(connector)) == {"device"}
+    clock.advance(connector.runner.interval_s + 1)
+    engine.step()  # the timer fires after a step, even an empty one
+    assert connector.runner.runs["timer"] >= 1
+    assert connector.runner.decisions["drop"] >= 1
+    assert set(session_tiers(connector)) == {None}
+    second, out = run_second(engine, turns, first)
+    assert second == expected[1]
+    assert out.metrics.prompt_token_sources["device"] == 0
+    assert engine.stats().tiers["decisions"]["drop"] >= 1
+    assert_no_leak(engine)
+
+
+def test_offload_policy_moves_idle_session_to_host(engine, expected, clock):
+    turns = make_turns(0)
+    config = PolicyConfig(offload=OffloadSection(watermark=0.2))
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "offload", config
+    )
+    first = first_turn(engine, turns)
+    clock.advance(connector.runner.interval_s + 1)
+    engine.step()
+    assert connector.runner.decisions["move"] >= 1
+    tiers = session_tiers(connector)
+    assert "host" in tiers, tiers
+    assert connector.store.snapshot()["tiers"]["host"]["chunks"] >= 1
+    assert connector.counters["policy_moved_bytes_device->host"] > 0
+    second, out = run_second(engine, turns, first)
+    assert out.metrics.prompt_token_sources["host"] > 0
+    assert second == expected[1]
+    assert_no_leak(engine)

@@ -1,0 +1,98 @@
+"""Real model, real tiers: a session evicted from a tiny device pool comes back from host,
+disk and Redis with greedy output identical to recomputing it; broken tiers cost only time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.cache import TiersConfig
+from kvtier.cache.connector import attach_connector
+
+from .scenario import assert_no_leak, make_turns, run_first_and_flood, run_second
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+
+
+def tiers_for(kind: str, tmp_path: Path, redis_url: str | None = None) -> TiersConfig:
+    common = {"chunk_tokens": 64}
+    if kind == "host":
+        return TiersConfig(host_bytes=64 * MIB, **common)
+    if kind == "disk":
+        return TiersConfig(host_bytes=0, disk_bytes=64 * MIB, disk_dir=tmp_path / "d", **common)
+    return TiersConfig(host_bytes=0, redis_url=redis_url, redis_prefix="kvt-test", **common)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "remote"])
+def test_resumed_session_restored_from_tier(engine, expected, kind, tmp_path, redis_url):
+    turns = make_turns(0)
+    first_ref, second_ref = expected
+    connector = attach_connector(engine, tiers_for(kind, tmp_path, redis_url), "offload")
+    first = run_first_and_flood(engine, turns)
+    assert first == first_ref
+    assert connector.counters["spilled_chunks"] > 0
+    second, out = run_second(engine, turns, first)
+    sources = out.metrics.prompt_token_sources
+    assert sources[kind] > 0, sources
+    assert sources[kind] + sources["device"] + sources["recomputed"] == len(turns.second(first))
+    assert second == second_ref
+    stats = engine.stats().tiers
+    assert stats["tokens"][kind] == sources[kind]
+    assert stats["tiers"][kind]["bytes_read"] > 0 and stats["tiers"][kind]["hits"] > 0
+    assert_no_leak(engine)
+
+
+def test_corrupt_disk_block_is_recomputed(engine, expected, tmp_path):
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    connector = attach_connector(engine, tiers_for("disk", tmp_path), "offload")
+    first = run_first_and_flood(engine, turns)
+    # flip a byte near the end of every segment: the body of the newest record, which is
+    # the first chunk the resumed turn needs (tails are evicted first)
+    segments = sorted((tmp_path / "d").glob("*.seg"))
+    assert segments
+    for segment in segments:
+        data = bytearray(segment.read_bytes())
+        data[-1000] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    second, out = run_second(engine, turns, first)
+    assert second == second_ref
+    assert connector.store.tiers["disk"].stats.errors >= 1
+    assert connector.counters["restore_failures"] >= 1
+    assert out.metrics.prompt_token_sources["recomputed"] > len(turns.extra)
+    assert_no_leak(engine)
+
+
+def test_corrupt_redis_value_is_recomputed(engine, expected, tmp_path, redis_server, redis_url):
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    connector = attach_connector(engine, tiers_for("remote", tmp_path, redis_url), "offload")
+    first = run_first_and_flood(engine, turns)
+    with redis_server.client() as client:
+        keys = client.keys("kvt-test:*")
+        assert keys
+        for key in keys:
+            length = client.strlen(key)
+            byte = client.getrange(key, length - 100, length - 100)
+            client.setrange(key, length - 100, bytes([byte[0] ^ 0xFF]))
+    second, out = run_second(engine, turns, first)
+    assert second == second_ref
+    assert connector.store.tiers["remote"].stats.errors >= 1
+    assert out.metrics.prompt_token_sources["remote"] == 0
+    assert_no_leak(engine)
+
+
+def test_redis_stopped_mid_run(engine, expected, tmp_path, own_redis):
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    connector = attach_connector(engine, tiers_for("remote", tmp_path, own_redis.url), "offload")
+    first = run_first_and_flood(engine, turns)
+    assert connector.counters["spilled_chunks"] > 0
+    own_redis.stop()
+    second, out = run_second(engine, turns, first)
+    assert second == second_ref
+    assert out.metrics.prompt_token_sources["remote"] == 0
+    assert_no_leak(engine)
