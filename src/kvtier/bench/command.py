@@ -1,0 +1,355 @@
+"""`kvtier bench`: the same multi-turn workload through the real engine, once per policy.
+
+Each policy gets a fresh engine (same model, KV pool, tiers, concurrency) and the same
+requests, replayed in trace time with idle stretches skipped (see docs/bench.md). Writes
+results.json (schema kvtier.results/1, the same files `kvtier simulate` writes),
+requests-<policy>.jsonl, report.md and, unless --no-plots, report.html with PNG plots.
+
+Examples:
+  kvtier bench --quick                                  # ~5 min on 2 CPU cores
+  kvtier bench --workload quick --policies retain,cost --kv-cache-bytes 64MiB
+  kvtier bench --workload trace.jsonl --trace-format mooncake --scale-to 2048 --sessions 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    from kvtier.workload.model import Workload
+
+PRESET_NAMES = ("quick", "default")  # kept in step with workload.presets
+DEFAULT_POLICIES = "retain,recompute,offload,cost,oracle"
+DEFAULT_OUT = "out/bench"
+DEFAULT_KV_BYTES = "64MiB"
+
+# --quick: the generator's quick preset shrunk to finish all five policies in a few minutes on
+# 2 CPU cores: 16 sessions of up to 4 turns, prompts up to ~1.5K tokens, 16-32 token answers,
+# follow-ups after seconds and pauses of minutes (skipped by the replay clock).
+QUICK_WORKLOAD: dict[str, Any] = {
+    "sessions": 16,
+    "session_rate": 0.25,
+    "mean_turns": 3.0,
+    "max_turns": 4,
+    "followup_share": 0.5,
+    "followup_median_s": 6.0,
+    "pause_median_s": 120.0,
+    "system_prompt_tokens": 96,
+    "apps": 2,
+    "user_tokens": {"mean": 40, "cv": 0.6, "min_tokens": 8, "max_tokens": 160},
+    "answer_tokens": {"mean": 24, "cv": 0.25, "min_tokens": 16, "max_tokens": 32},
+    "document_share": 0.5,
+    "document_tokens": {"mean": 700, "cv": 0.3, "min_tokens": 400, "max_tokens": 1100},
+    "max_history_tokens": 1400,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 7)[7]
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small demo workload (16 sessions, short answers) and its defaults",
+    )
+    work = parser.add_argument_group("workload")
+    work.add_argument(
+        "--workload",
+        default="quick",
+        metavar="PRESET|PATH",
+        help=f"generator preset ({', '.join(PRESET_NAMES)}) or trace file (default: quick)",
+    )
+    work.add_argument("--trace-format", default="auto", help="auto, mooncake, bailian, sharegpt")
+    work.add_argument(
+        "--workload-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a generator field, e.g. sessions=8 or answer_tokens.max_tokens=32",
+    )
+    work.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    work.add_argument(
+        "--scale-to",
+        type=int,
+        metavar="TOKENS",
+        help="shrink every length so the longest prompt + answer fits TOKENS (traces)",
+    )
+    work.add_argument("--sessions", type=int, metavar="N", help="replay only the first N sessions")
+    pol = parser.add_argument_group("policies")
+    pol.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated ({DEFAULT_POLICIES})"
+    )
+    pol.add_argument(
+        "--policy-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="set a [policy] key for every run, e.g. interval_s=2 (repeatable)",
+    )
+    pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
+    eng = parser.add_argument_group("engine (the same for every policy)")
+    eng.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
+    eng.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    eng.add_argument(
+        "--kv-cache-bytes",
+        default=DEFAULT_KV_BYTES,
+        metavar="SIZE",
+        help=f"device KV pool; small so idle sessions compete for it ({DEFAULT_KV_BYTES})",
+    )
+    eng.add_argument("--host-bytes", default="1GiB", metavar="SIZE", help="host tier (1GiB)")
+    eng.add_argument("--disk-bytes", default="0", metavar="SIZE", help="disk tier (0: none)")
+    eng.add_argument("--disk-path", metavar="DIR", help="disk tier folder")
+    eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
+    eng.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
+    eng.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    eng.add_argument(
+        "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
+    )
+    eng.add_argument(
+        "--max-output-tokens", type=int, metavar="N", help="cap every answer at N tokens"
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default=DEFAULT_OUT, help=f"result folder ({DEFAULT_OUT})")
+    out.add_argument("--no-plots", action="store_true", help="skip the HTML report and PNGs")
+    out.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.bench import engines
+    from kvtier.plan.units import parse_size
+
+    started = time.perf_counter()
+    names = _names(args.policies)
+    engines.validate_policies(names)
+    policy_config = _policy_config(args) if (args.policy_set or args.config) else None
+    kv_bytes = parse_size(args.kv_cache_bytes)
+    host_bytes = _size(args.host_bytes)
+    disk_bytes = _size(args.disk_bytes)
+    workload = load_workload(args)
+
+    from kvtier.workload.model import flatten
+
+    requests = flatten(workload)
+    if not requests:
+        raise KvtierError(f"workload {args.workload} holds no requests")
+    skipped = engines.unavailable_policies(names)
+    for name, reason in skipped.items():
+        print(f"skipping policy {name}: {reason}", file=sys.stderr)
+    runnable = [name for name in names if name not in skipped]
+    if not runnable:
+        raise KvtierError("none of the policies can run on this engine: " + ", ".join(skipped))
+    base = {
+        "model_dir": args.model,
+        "dtype": args.dtype,
+        "kv_cache_bytes": kv_bytes,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "num_threads": args.threads,
+        "session_resume_after_s": args.resume_after,
+    }
+    tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path)
+    results = []
+    for name in runnable:
+        results.append(_run_policy(args, name, base, tiers, policy_config, requests))
+    runs = [r.run for r in results]
+
+    from kvtier.results.report import markdown, to_document, write_html, write_results
+
+    config = {
+        "workload": describe_workload(workload, args),
+        "requests": len(requests),
+        "policies": runnable,
+        "skipped_policies": skipped,
+        "engine": {k: v for k, v in base.items() if v is not None} | {"tiers": _tiers(tiers)},
+        "host_bytes": host_bytes,
+        "disk_bytes": disk_bytes,
+        "policy_set": args.policy_set,
+        "runs": {
+            r.run.policy: {
+                "wall_s": round(r.wall_s, 3),
+                "trace_s": round(r.trace_s, 3),
+                "idle_skipped_s": round(r.skipped_s, 3),
+                "engine_stats": r.engine_stats,
+            }
+            for r in results
+        },
+    }
+    document = to_document("bench", config, runs)
+    document["command"] = "kvtier bench " + " ".join(shlex.quote(a) for a in _argv())
+    out = Path(args.out)
+    written = write_results(out, document, runs)
+    if not args.no_plots:
+        written += write_html(out, document, runs)
+    print(markdown(document))
+    for r in results:
+        print(
+            f"{r.run.policy}: {r.wall_s:.1f} s wall for {r.trace_s:,.0f} s of trace "
+            f"({r.skipped_s:,.0f} s idle skipped)"
+        )
+    print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _run_policy(args, name, base, tiers, policy_config, requests):
+    from kvtier.bench import engines
+    from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
+
+    arrivals = next_arrivals(requests)
+    config, oracle = engines.engine_config(base, name, tiers, arrivals, policy_config)
+    clock = BenchClock()
+    engine = engines.build_engine(config, oracle, clock)
+    try:
+        warm_up(engine)
+        clock.restart()
+        with _progress(name, len(requests), args.no_progress) as advance:
+            return replay(
+                engine,
+                requests,
+                clock,
+                name,
+                arrivals=arrivals,
+                on_finish=lambda _record: advance(),
+                max_output_tokens=args.max_output_tokens,
+            )
+    finally:
+        engine.close()
+
+
+class _progress:
+    """A rich progress bar (requests finished) on stderr, or nothing."""
+
+    def __init__(self, name: str, total: int, disabled: bool) -> None:
+        self.name, self.total, self.disabled = name, total, disabled
+        self.bar: Any = None
+
+    def __enter__(self):
+        if self.disabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn(f"{self.name:>10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.start()
+        task = self.bar.add_task(self.name, total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    """The workload the flags describe: --quick, a generator preset, or a trace file."""
+    from kvtier.workload.generator import generate
+
+    if args.sessions is not None and args.sessions < 1:
+        raise KvtierError(f"--sessions must be at least 1, not {args.sessions}")
+    if args.quick or args.workload in PRESET_NAMES:
+        from kvtier.sim.command import _generator_config
+
+        preset = "quick" if args.quick else args.workload
+        settings = list(args.workload_set)
+        if args.quick:
+            settings = [f"{k}={json.dumps(v)}" for k, v in QUICK_WORKLOAD.items()] + settings
+        workload = generate(_generator_config(preset, settings), seed=args.seed)
+        if args.scale_to:
+            from kvtier.workload.scale import scale_to_context
+
+            workload = scale_to_context(workload, args.scale_to)
+    else:
+        from kvtier.workload.traces import load_trace
+
+        if args.workload_set:
+            raise KvtierError("--workload-set changes generator presets, not trace files")
+        if not Path(args.workload).is_file():
+            raise KvtierError(
+                f"--workload {args.workload!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
+                "nor an existing trace file"
+            )
+        workload = load_trace(
+            args.workload, args.trace_format, scale_to=args.scale_to, seed=args.seed
+        )
+    if args.sessions is not None:
+        from dataclasses import replace
+
+        workload = replace(workload, sessions=workload.sessions[: args.sessions])
+    return workload
+
+
+def describe_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "name": "bench-quick" if args.quick else args.workload,
+        "source": workload.source,
+        "sessions": len(workload.sessions),
+        "turns": workload.num_turns,
+        "seed": args.seed,
+        "workload_set": (
+            [f"{k}={json.dumps(v)}" for k, v in QUICK_WORKLOAD.items()] if args.quick else []
+        )
+        + list(args.workload_set),
+        "length_scale": workload.length_scale,
+        "max_history_tokens": workload.max_history_tokens,
+        "notes": list(workload.notes),
+        "input_errors": len(workload.errors),
+    }
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise KvtierError("give at least one policy, e.g. --policies retain,cost")
+    if len(set(names)) != len(names):
+        raise KvtierError(f"--policies names a policy twice: {text}")
+    return names
+
+
+def _size(text: str) -> int:
+    from kvtier.plan.units import parse_size
+
+    text = text.strip()
+    return 0 if text == "0" else parse_size(text)
+
+
+def _policy_config(args: argparse.Namespace) -> Any:
+    from kvtier.policy.config import CONFIG_ENV, load_config
+
+    path = args.config or os.environ.get(CONFIG_ENV)
+    return load_config(path, env=os.environ, settings=args.policy_set)
+
+
+def _tiers(tiers: Any) -> Any:
+    if tiers is None:
+        return None
+    try:
+        from dataclasses import asdict
+
+        return asdict(tiers)
+    except TypeError:
+        dump = getattr(tiers, "model_dump", None)
+        return dump() if dump else repr(tiers)
+
+
+def _argv() -> list[str]:
+    argv = sys.argv[1:]
+    return argv[1:] if argv and argv[0] == "bench" else argv

@@ -1,0 +1,293 @@
+"""`kvtier simulate`: the benchmark's workload and policy code on a hardware profile, at scale,
+in simulated time. Writes the same result files as `kvtier bench`.
+
+Examples:
+  kvtier simulate --workload default --policies retain,recompute,offload,cost,oracle
+  kvtier simulate --hardware h200 --gpus 8 --model llama-3.1-70b --device-kv-bytes 200GB \\
+      --host-bytes 1TB --disk-bytes 4TB --out out/simulate
+  kvtier simulate --workload trace.jsonl --trace-format mooncake --policies offload,cost
+  kvtier simulate --workload default --workload-set sessions=10000 --workload-set mean_turns=10
+  kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 --hardware h100-sxm,l40s \\
+      --device-kv-bytes 40GB --host-bytes 256GB
+  kvtier simulate --validate --against out/bench/results.json   # per policy relative errors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    from kvtier.policy.config import PolicyConfig
+    from kvtier.sim.deployment import Deployment
+    from kvtier.workload.config import GeneratorConfig
+    from kvtier.workload.model import Request
+
+PRESET_NAMES = ("quick", "default")  # kept in step with workload.presets
+FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # kept in step with workload.traces
+DEFAULT_POLICIES = "retain,recompute,offload,cost"
+DEFAULT_OUT = "out/simulate"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n", 3)[3]
+    parser.add_argument(
+        "action", nargs="?", default="run", choices=("run", "sweep"), help="run (default) or sweep"
+    )
+    work = parser.add_argument_group("workload")
+    work.add_argument(
+        "--workload",
+        default="default",
+        metavar="PRESET|PATH",
+        help=f"generator preset ({', '.join(PRESET_NAMES)}) or trace file (default: default)",
+    )
+    work.add_argument("--trace-format", default="auto", help=f"one of {', '.join(FORMATS)}")
+    work.add_argument(
+        "--workload-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a generator field, e.g. sessions=1000 or user_tokens.mean=200",
+    )
+    work.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    pol = parser.add_argument_group("policies")
+    pol.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated, one run each; oracle knows the future ({DEFAULT_POLICIES})",
+    )
+    pol.add_argument(
+        "--policy-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="set a [policy] key for every run, e.g. interval_s=30 (repeatable)",
+    )
+    pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
+    hw = parser.add_argument_group("deployment (budgets are per replica)")
+    hw.add_argument(
+        "--hardware",
+        default="h100-sxm",
+        metavar="NAME|PATH",
+        help="hardware profile, bundled name or file; sweep: comma-separated (default h100-sxm)",
+    )
+    hw.add_argument(
+        "--link",
+        metavar="TIER=LINK",
+        action="append",
+        default=[],
+        help="put a tier on another link, e.g. disk=nvme4 (pcie4/5, nvme4/5, 100gbe, 400gbe)",
+    )
+    hw.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
+    hw.add_argument("--tp", type=int, default=0, help="GPUs per replica (default: all)")
+    hw.add_argument("--model", default="llama-3.1-70b", help="bundled model or config.json")
+    hw.add_argument(
+        "--device-kv-bytes",
+        metavar="SIZE",
+        help="device KV pool (default: 90%% of GPU memory minus the weights)",
+    )
+    hw.add_argument("--host-bytes", default="1TB", metavar="SIZE", help="host DRAM tier (1TB)")
+    hw.add_argument("--disk-bytes", default="0", metavar="SIZE", help="NVMe tier (0: none)")
+    hw.add_argument("--remote-bytes", default="0", metavar="SIZE", help="remote tier (0: none)")
+    hw.add_argument("--chunk-tokens", type=int, default=256, help="tokens moved as one chunk")
+    hw.add_argument("--max-num-seqs", type=int, default=256, help="running requests (256)")
+    hw.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step (8192)")
+    hw.add_argument(
+        "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
+    )
+    sw = parser.add_argument_group("sweep")
+    sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
+    sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
+    sw.add_argument("--sessions", type=int, default=60, help="sessions per sweep cell (60)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default=DEFAULT_OUT, help=f"result folder ({DEFAULT_OUT})")
+    out.add_argument("--no-plots", action="store_true", help="skip the HTML report and PNGs")
+    out.add_argument(
+        "--validate", action="store_true", help="compare with a real run (needs --against)"
+    )
+    out.add_argument("--against", metavar="PATH", help="results.json of a `kvtier bench` run")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.validate and not args.against:
+        raise KvtierError("--validate needs --against PATH (a kvtier bench results.json)")
+    if args.action == "sweep":
+        return _sweep(args)
+    from kvtier.results.report import markdown, to_document, write_html, write_results
+    from kvtier.sim.simulator import simulate
+
+    requests = _requests(args)
+    deployment = _deployment(args, args.hardware)
+    runs = []
+    for name in _names(args.policies):
+        result = simulate(requests, deployment, _policy_config(args, name))
+        runs.append(result.run)
+        print(
+            f"{name}: {len(requests):,} requests, {result.events:,} events and "
+            f"{result.steps:,} steps in {result.wall_s:.1f} s ({result.events / result.wall_s:,.0f}"
+            f" events/s; policy {result.policy_s:.1f} s), {result.run.duration_s:,.0f} s "
+            "simulated"
+        )
+    config = {
+        "workload": args.workload,
+        "workload_set": args.workload_set,
+        "seed": args.seed,
+        "requests": len(requests),
+        "policy_set": args.policy_set,
+        **deployment.describe(),
+    }
+    document = to_document("simulate", config, runs)
+    out = Path(args.out)
+    written = write_results(out, document, runs)
+    if not args.no_plots:
+        written += write_html(out, document, runs)
+    print(markdown(document))
+    if args.against:
+        written.append(_validate(document, args.against, out))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise KvtierError("give at least one policy, e.g. --policies offload,cost")
+    return names
+
+
+def _requests(args: argparse.Namespace) -> list[Request]:
+    from kvtier.workload.generator import generate
+    from kvtier.workload.model import flatten
+
+    if args.workload in PRESET_NAMES:
+        workload = generate(_generator_config(args.workload, args.workload_set), seed=args.seed)
+    else:
+        from kvtier.workload.traces import load_trace
+
+        if args.workload_set:
+            raise KvtierError("--workload-set changes generator presets, not trace files")
+        if not Path(args.workload).is_file():
+            raise KvtierError(
+                f"--workload {args.workload!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
+                "nor an existing trace file"
+            )
+        workload = load_trace(args.workload, args.trace_format, seed=args.seed)
+    requests = flatten(workload)
+    if not requests:
+        raise KvtierError(f"workload {args.workload} holds no requests")
+    return requests
+
+
+def _generator_config(preset: str, settings: list[str]) -> GeneratorConfig:
+    from kvtier.workload.config import GeneratorConfig
+    from kvtier.workload.presets import PRESETS
+
+    values: dict[str, Any] = json.loads(json.dumps(PRESETS[preset]))  # a deep copy
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key.strip():
+            raise KvtierError(
+                f"--workload-set takes KEY=VALUE (e.g. sessions=1000), not {setting!r}"
+            )
+        *parents, last = key.strip().split(".")
+        node = values
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise KvtierError(f"--workload-set {key}: {part!r} is not a table")
+        try:
+            node[last] = json.loads(text)
+        except json.JSONDecodeError:
+            node[last] = text
+    return GeneratorConfig.from_dict(values)
+
+
+def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
+    from kvtier.plan.geometry import load_geometry
+    from kvtier.plan.units import parse_size
+    from kvtier.sim.deployment import Deployment
+    from kvtier.sim.profile import load_profile
+
+    profile = load_profile(hardware)
+    links = {}
+    for setting in args.link:
+        tier, sep, key = setting.partition("=")
+        if not sep:
+            raise KvtierError(f"--link takes TIER=LINK (e.g. disk=nvme4), not {setting!r}")
+        links[tier.strip()] = key.strip()
+    if links:
+        profile = profile.with_links(links)
+    sizes = {}
+    for tier in ("host", "disk", "remote"):
+        text = getattr(args, f"{tier}_bytes").strip()
+        sizes[tier] = 0 if text == "0" else parse_size(text)
+    return Deployment(
+        profile=profile,
+        geometry=load_geometry(args.model),
+        gpus=args.gpus,
+        tp=args.tp,
+        device_kv_bytes=parse_size(args.device_kv_bytes) if args.device_kv_bytes else 0,
+        tier_bytes=sizes,
+        chunk_tokens=args.chunk_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        resume_after_s=args.resume_after,
+    )
+
+
+def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
+    from kvtier.policy.config import CONFIG_ENV, load_config
+
+    path = args.config or os.environ.get(CONFIG_ENV)
+    return load_config(path, env=os.environ, settings=args.policy_set, policy=name)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from kvtier.plan.units import parse_token_counts
+    from kvtier.sim.sweep import SweepGrid, markdown, run_sweep, write_sweep
+
+    problem = f"--resume-shares takes numbers in [0, 1], not {args.resume_shares!r}"
+    try:
+        shares = [float(x) for x in args.resume_shares.split(",")]
+    except ValueError:
+        raise KvtierError(problem) from None
+    if not shares or any(not 0 <= s <= 1 for s in shares):
+        raise KvtierError(problem)
+    grid = SweepGrid(
+        resume_shares=shares,
+        contexts=parse_token_counts(args.contexts),
+        hardware=[h.strip() for h in args.hardware.split(",") if h.strip()],
+        policies=_names(args.policies),
+        sessions=args.sessions,
+        seed=args.seed,
+    )
+    deployments = {h: _deployment(args, h) for h in grid.hardware}  # bad flags fail up front
+    sweep = run_sweep(grid, deployments.__getitem__, lambda n: _policy_config(args, n), print)
+    paths = write_sweep(sweep, args.out, plots=not args.no_plots)
+    print(markdown(sweep))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _validate(document: dict[str, Any], against: str, out: Path) -> Path:
+    from kvtier.results.compare import compare
+    from kvtier.results.report import read_results
+
+    result = compare(document, read_results(against))
+    for policy, rows in result["policies"].items():
+        print(f"{policy}: simulated vs measured")
+        for field, row in rows.items():
+            error = row["relative_error"]
+            shown = "n/a" if error is None else f"{error:+.1%}"
+            print(f"  {field:28s} {row['simulated']!s:>14} {row['measured']!s:>14} {shown:>8}")
+    if not result["policies"]:
+        print(f"no policy in common with {against}")
+    path = out / "validation.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,671 @@
+"""One serving replica in simulated time: what the engine does, with step times from the step
+model instead of a model forward, and the engine's policy, restore planner and store index.
+
+- **Arrival.** A turn is new, continuing or resumed by its gap (as the engine's session
+  tracker says). Its history's KV is what the conversation holds of the new prompt's prefix (a
+  history budget that dropped old turns cuts it where the prefix block ids part). The restore
+  planner (`policy.restore.plan_restore`) splits it into chunks to load and chunks to
+  recompute, and the loads start at once if the device has room for them (prefetch), else at
+  admission. Loads run on the tier's link, shared with every other transfer on it.
+- **Admission**, FCFS up to `max_num_seqs` running: the request reserves device memory for its
+  whole context (prompt + output), so nothing is ever preempted. Short of memory, the policy is
+  asked under pressure (`reason="pressure"`, `bytes_needed`); the queue waits while spills
+  that will free enough are in flight.
+- **Steps**: every running decode gets a token, then prefill chunks fill the token budget in
+  FCFS order (vLLM's decode-first chunked prefill). A request's prefill runs its recomputed
+  chunks front to back, then the new prompt once every load has arrived; a recomputed chunk
+  behind a missing one waits for the loads before it (the planner's early loads). A run of
+  decode-only steps with nothing to change it (no arrival, finish, transfer or tick before
+  its end) is one event: its length is summed in closed form.
+- **Finish**: the whole context stays on the device, idle, for the policy to place.
+- **Policy**: on a timer (every `interval_s`, driven by the simulator) and under pressure, on
+  views built from cached per-session views. Moves off the device free the device memory when
+  their copy ends; moves and drops below it are immediate in the store index, and the copies
+  occupy the target's link. One copy per chunk: a loaded chunk leaves its tier.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import KvtierError
+from kvtier.policy.actions import Action, Drop, Keep
+from kvtier.policy.base import RetentionPolicy
+from kvtier.policy.cost_model import CostModel
+from kvtier.policy.metrics import PolicyMetrics
+from kvtier.policy.restore import plan_restore
+from kvtier.policy.view import ChunkView, PolicyView, QueueView, Reason, TierView, TurnView
+from kvtier.results.records import RequestRecord, TurnKind
+from kvtier.sim.channel import Channel
+from kvtier.sim.deployment import Deployment
+from kvtier.sim.events import EventLoop
+from kvtier.sim.session import SimSession
+from kvtier.sim.step_model import StepModel
+from kvtier.tiers.payload import Payload
+from kvtier.tiers.sized import SizeOnlyTier
+from kvtier.tiers.store import TieredStore
+from kvtier.workload.model import Request
+
+# How far a request's prefill may go: recomputed chunks with no load before them, then those
+# behind the planner's early loads, then the new prompt after every load.
+GATE_NONE, GATE_EARLY, GATE_ALL = 0, 1, 2
+
+
+class SimRequest:
+    __slots__ = (
+        "allocated",
+        "committed",
+        "cursor",
+        "device_base",
+        "first_run",
+        "join_context",
+        "join_count",
+        "load_bytes",
+        "loads_started",
+        "open_gate",
+        "output",
+        "pending",
+        "phases",
+        "prompt",
+        "record",
+        "reserve",
+        "segment",
+        "segments",
+        "session",
+        "valid",
+    )
+
+    def __init__(self, request: Request, session: SimSession, record: RequestRecord) -> None:
+        self.record = record
+        self.session = session
+        self.prompt = request.prompt_tokens
+        self.output = max(1, request.output_tokens)
+        self.valid = 0  # history tokens whose KV the session holds
+        self.committed = False  # restore planned, session KV pinned
+        self.segments: list[tuple[int, int, int]] = []  # (start, end, gate) to prefill, in order
+        self.segment = 0
+        self.cursor = 0
+        # load phases in order: (gate they open, tier -> chunk indices)
+        self.phases: list[tuple[int, dict[str, list[int]]]] = []
+        self.pending = 0  # transfers of the current phase still running
+        self.open_gate = GATE_ALL
+        self.loads_started = False
+        self.load_bytes = 0
+        self.reserve = 0  # device bytes of the whole context
+        self.device_base = 0  # of those, already on the device at arrival
+        self.allocated = 0  # allocated since (loads, admission)
+        self.join_count = 0
+        self.join_context = 0
+        self.first_run = 0
+
+    def next_chunk(self, budget: int) -> int:
+        """Tokens this request can prefill in the next step, within `budget`."""
+        if self.segment >= len(self.segments):
+            return 0
+        _, end, gate = self.segments[self.segment]
+        return min(budget, end - self.cursor) if gate <= self.open_gate else 0
+
+    def advance(self, tokens: int) -> None:
+        self.cursor += tokens
+        if self.cursor == self.segments[self.segment][1]:
+            self.segment += 1
+            if self.segment < len(self.segments):
+                self.cursor = self.segments[self.segment][0]
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.segment >= len(self.segments)
+
+
+class Replica:
+    def __init__(
+        self,
+        loop: EventLoop,
+        deployment: Deployment,
+        model: StepModel,
+        policy: RetentionPolicy,
+        cost_model: CostModel,
+        on_done: Callable[[RequestRecord], None],
+        track_s: float,
+    ) -> None:
+        self.loop, self.deployment, self.model = loop, deployment, model
+        self.policy, self.cost_model, self.on_done = policy, cost_model, on_done
+        self.track_s = track_s  # idle sessions without KV stay in views this long
+        tiers = [SizeOnlyTier(name, size) for name, size in deployment.tiers.items()]
+        self.store = (
+            TieredStore(
+                tiers, block_tokens=deployment.block_tokens, chunk_tokens=deployment.chunk_tokens
+            )
+            if tiers
+            else None
+        )
+        self.read: dict[str, Channel] = {}
+        self.write: dict[str, Channel] = {}
+        for name in deployment.tiers:
+            path = model.paths[name]
+            self.read[name] = Channel(loop, path.read.bandwidth)
+            self.write[name] = (
+                Channel(loop, path.write.bandwidth) if path.duplex else self.read[name]
+            )
+        self.bytes_per_token = deployment.bytes_per_token
+        self.capacity = deployment.device_kv_bytes
+        self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
+        self.pending_free = 0  # of those, bytes being spilled (freed when the copy ends)
+        self.epoch = 0  # changes whenever device memory frees up or new idle KV appears
+        self._futile_epoch = -1  # memory epoch of the last pressure call that freed too little
+        self.sessions: dict[str, SimSession] = {}
+        self.tracked: dict[str, SimSession] = {}  # what policy views show
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish count, order, request)
+        self._order = itertools.count()
+        self.running = 0
+        self.decode_count = 0  # decode steps so far
+        self.decode_context = 0  # keys the running decodes attend to at the next step
+        self.busy = False
+        self.in_flight = 0  # transfers running
+        self.steps = 0
+        self.itl_us: Counter[int] = Counter()  # gap (microseconds) -> count
+        self.run_max: list[float] = []  # longest step of each decode run
+        self._stall_ranges: list[tuple[RequestRecord, int, int]] = []
+        self.dropped: Counter[str] = Counter()  # bytes dropped per lower tier
+        self.metrics = PolicyMetrics()
+        self.policy_s = 0.0  # wall time spent in the policy's decide(): what the loop waits on
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + self.running
+
+    # -- arrivals ------------------------------------------------------------------------
+
+    def arrive(self, request: Request) -> None:
+        now = self.loop.now
+        session = self.sessions.get(request.session_id)
+        if session is None:
+            session = self.sessions[request.session_id] = SimSession(
+                request, self.deployment.chunk_tokens
+            )
+        if session.busy:  # a user cannot send the next turn before the answer ended
+            session.pending.append(request)
+            return
+        record = RequestRecord(
+            request.request_id,
+            request.session_id,
+            request.tenant,
+            request.turn_index,
+            self._kind(session, now),
+            now,
+            request.prompt_tokens,
+            0,
+        )
+        r = SimRequest(request, session, record)
+        error = self._too_large(r)
+        if error:
+            self._fail(r, error)
+            return
+        session.busy = True
+        self.tracked[session.session_id] = session
+        r.valid = self._valid_tokens(session, request)
+        keep = math.ceil(r.valid / self.deployment.chunk_tokens)
+        for index in range(keep, len(session.tiers)):
+            self._drop_chunk(session, index)
+        session.truncate(keep)
+        session.tokens = r.valid
+        session.turns.append(TurnView(now, r.prompt - r.valid + r.output))
+        session.hash_ids, session.block_tokens = request.hash_ids, request.block_tokens
+        session.prompt_tokens = r.prompt
+        session.changed()
+        r.device_base = sum(
+            size
+            for tier, size in zip(session.tiers, session.sizes, strict=True)
+            if tier == "device"
+        )
+        self.waiting.append(r)
+        plan = self._plan(r)
+        # Prefetch: start the loads now if the device has room for them. Until then (or
+        # without loads) the queued turn pins nothing: like a prefix cache, its KV stays
+        # evictable until the scheduler takes it.
+        if plan[1]:
+            load_bytes = sum(session.sizes[i] for i in plan[1])
+            if self.capacity - self.used >= load_bytes:
+                self._commit(r, plan)
+                self.used += r.load_bytes
+                r.allocated += r.load_bytes
+                self._start_loads(r)
+        self._kick()
+
+    def _kind(self, session: SimSession, now: float) -> TurnKind:
+        if not session.turns:
+            return "new"
+        gap = now - session.last_end
+        return "continuing" if gap <= self.deployment.resume_after_s else "resumed"
+
+    def _too_large(self, r: SimRequest) -> str | None:
+        context = r.prompt + r.output
+        limit = self.deployment.geometry.max_position_embeddings
+        if limit and context > limit:
+            return f"prompt + output = {context:,} tokens exceeds the model's context of {limit:,}"
+        r.reserve = self.deployment.kv_bytes(context)
+        if r.reserve > self.capacity:
+            return f"{context:,} tokens of KV ({r.reserve:,} B) exceed the device pool"
+        return None
+
+    def _valid_tokens(self, session: SimSession, request: Request) -> int:
+        """How much of the session's KV the new prompt still starts with: all of it when the
+        prompt extends the previous one, else the whole chunks of the common prefix (a history
+        budget dropped old turns). Never the last prompt token: a step must compute one."""
+        if not session.tokens:
+            return 0
+        old, new = session.hash_ids, request.hash_ids
+        whole = min(int(session.prompt_tokens // session.block_tokens), len(old))
+        if old[:whole] == new[:whole]:
+            valid = session.tokens
+        else:
+            low, high = 0, whole  # longest common prefix, by bisection on slices
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if old[:middle] == new[:middle] else (low, middle - 1)
+            chunk = self.deployment.chunk_tokens
+            valid = int(low * request.block_tokens) // chunk * chunk
+        return min(valid, request.prompt_tokens - 1)
+
+    def _plan(self, r: SimRequest) -> tuple[set[int], Sequence[int]]:
+        """(chunks to recompute, chunks to load in issue order): the restore planner's split
+        when some chunk is in a lower tier; otherwise only missing chunks are recomputed,
+        which is what the planner would say too."""
+        tiers = r.session.tiers
+        if all(tier is None or tier == "device" for tier in tiers):
+            return {i for i, tier in enumerate(tiers) if tier is None}, ()
+        chunks = [
+            ChunkView(i, *r.session.chunk_range(i), tier, r.session.sizes[i])
+            for i, tier in enumerate(tiers)
+        ]
+        plan = plan_restore(chunks, self.cost_model)
+        return set(plan.recompute), plan.loads
+
+    def _commit(self, r: SimRequest, plan: tuple[set[int], Sequence[int]]) -> None:
+        """Take the plan: the session's KV is in use from here (no policy moves it), and the
+        prefill segments and load phases are laid out."""
+        session = r.session
+        session.active, session.idle_since = True, None
+        session.changed()
+        r.committed = True
+        count = len(session.tiers)
+        recompute, loads = plan
+        restored: Counter[str] = Counter()
+        r.device_base = 0
+        for i in range(count):
+            start, end = session.chunk_range(i)
+            tier = session.tiers[i]
+            if i in recompute:
+                restored["recomputed"] += end - start
+                if tier is not None:  # stored, but recomputing it is faster: one copy only
+                    self._drop_chunk(session, i)
+            else:
+                restored[tier] += end - start
+                if tier == "device":
+                    r.device_base += session.sizes[i]
+        r.record.restored_tokens = dict(restored)
+        last_recompute = max(recompute, default=-1)
+        early = [i for i in loads if i < last_recompute]
+        late = [i for i in loads if i > last_recompute]
+        first_early = min(early, default=count)
+        for i in sorted(recompute):
+            start, end = session.chunk_range(i)
+            gate = GATE_EARLY if first_early < i else GATE_NONE
+            if r.segments and r.segments[-1][1] == start and r.segments[-1][2] == gate:
+                r.segments[-1] = (r.segments[-1][0], end, gate)
+            else:
+                r.segments.append((start, end, gate))
+        r.segments.append((r.valid, r.prompt, GATE_ALL))
+        r.cursor = r.segments[0][0]
+        for indices in (early, late):
+            if indices:
+                by_tier: dict[str, list[int]] = {}
+                for i in indices:
+                    by_tier.setdefault(session.tiers[i], []).append(i)
+                r.phases.append((GATE_EARLY, by_tier))
+        if r.phases:  # the last phase to arrive lets the new prompt in
+            r.phases[-1] = (GATE_ALL, r.phases[-1][1])
+        r.open_gate = GATE_NONE if early else GATE_EARLY if late else GATE_ALL
+        r.load_bytes = sum(session.sizes[i] for i in loads)
+
+    # -- loads and spills --------------------------------------------------------------
+
+    def _start_loads(self, r: SimRequest) -> None:
+        r.loads_started = True
+        for _, by_tier in r.phases:
+            for indices in by_tier.values():
+                for i in indices:  # the store reads each chunk for the device
+                    self.store.promote(r.session.chunk(i).id)
+        self._start_phase(r, 0)
+
+    def _start_phase(self, r: SimRequest, phase: int) -> None:
+        for tier, indices in r.phases[phase][1].items():
+            link = self.model.paths[tier].read
+            work = sum(r.session.sizes[i] for i in indices)
+            work += len(indices) * link.latency_s * link.bandwidth
+            self.in_flight += 1
+            r.pending += 1
+            self.read[tier].submit(work, self._loaded, r, phase)
+
+    def _loaded(self, r: SimRequest, phase: int) -> None:
+        self.in_flight -= 1
+        r.pending -= 1
+        if r.pending:
+            return
+        gate, by_tier = r.phases[phase]
+        session, now = r.session, self.loop.now
+        for indices in by_tier.values():
+            for i in indices:
+                self.store.delete(session.chunk(i).id)
+                session.tiers[i], session.access[i] = "device", now
+        session.changed()
+        r.open_gate = gate
+        if phase + 1 < len(r.phases):
+            self._start_phase(r, phase + 1)
+        self._kick()
+
+    def _write(self, tier: str, sizes: Sequence[int], then: Callable[..., None] | None) -> None:
+        link = self.model.paths[tier].write
+        work = sum(sizes) + len(sizes) * link.latency_s * link.bandwidth
+        self.in_flight += 1
+        self.write[tier].submit(work, self._written, then, sum(sizes))
+
+    def _written(self, then: Callable[[int], None] | None, nbytes: int) -> None:
+        self.in_flight -= 1
+        if then is not None:
+            then(nbytes)
+
+    def _spilled(self, nbytes: int) -> None:
+        self.pending_free -= nbytes
+        self.used -= nbytes
+        self.epoch += 1
+        self._kick()
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        while True:
+            self._admit()
+            decodes = len(self.decoding)
+            budget = self.deployment.max_batched_tokens - decodes
+            chunks: list[tuple[SimRequest, int, int]] = []
+            for r in self.prefilling:
+                if budget <= 0:
+                    break
+                tokens = r.next_chunk(budget)
+                if tokens:
+                    chunks.append((r, tokens, r.cursor))
+                    budget -= tokens
+            if decodes or chunks:
+                break
+            self.busy = False
+            if not (self.waiting and self._stuck()):
+                return
+            self._fail(
+                self.waiting.popleft(),
+                "no device memory: the KV of the sessions waiting in the queue fills the pool",
+            )
+        self.busy = True
+        now = self.loop.now
+        if chunks:
+            steps = 1
+            duration = last = self.model.step_s(
+                decodes, self.decode_context, [(t, p) for _, t, p in chunks]
+            )
+        else:
+            limit = self.decoding[0][0] - self.decode_count
+            horizon = self.loop.next_time() - now
+            steps = limit
+            if math.isfinite(horizon):
+                steps = self.model.decode_steps_within(decodes, self.decode_context, horizon, limit)
+            duration, last = self.model.decode_run_s(decodes, self.decode_context, steps)
+        self.loop.at(now + duration, self._step_end, chunks, steps, duration, last)
+
+    def _stuck(self) -> bool:
+        """Nothing runs or moves, and the policy could not free room for the queue's head."""
+        return (
+            not self.prefilling
+            and not self.decoding
+            and not self.in_flight
+            and self._futile_epoch == self.epoch
+        )
+
+    def _admit(self) -> None:
+        while self.waiting and self.running < self.deployment.max_num_seqs:
+            r = self.waiting[0]
+            if not r.committed:
+                self._commit(r, self._plan(r))
+            need = r.reserve - r.device_base - r.allocated
+            if need > self.capacity - self.used and not self._make_room(need):
+                return
+            self.waiting.popleft()
+            self.used += need
+            r.allocated += need
+            r.record.scheduled_s = self.loop.now
+            self.prefilling.append(r)
+            self.running += 1
+            if r.phases and not r.loads_started:
+                self._start_loads(r)
+
+    def _make_room(self, need: int) -> bool:
+        if self.capacity - self.used + self.pending_free >= need:
+            return False  # spills in flight will free enough
+        if self._futile_epoch == self.epoch:
+            return False  # the policy could not help, and nothing changed since
+        headroom = int(self.deployment.pressure_headroom * self.capacity)
+        self._decide("pressure", min(need + headroom, self.capacity))
+        if self.capacity - self.used >= need:
+            return True
+        self._futile_epoch = self.epoch
+        return False
+
+    def _step_end(
+        self, chunks: list[tuple[SimRequest, int, int]], steps: int, duration: float, last: float
+    ) -> None:
+        self.steps += steps
+        decodes = len(self.decoding)
+        if decodes:
+            # every running decode got one token per step: `decodes` gaps of the step's length
+            self.itl_us[round(duration / steps * 1e6)] += decodes * steps
+            self.run_max.append(last)
+            self.decode_count += steps
+            self.decode_context += decodes * steps
+        for r, tokens, _ in chunks:
+            r.advance(tokens)
+            if r.prefill_done:
+                self.prefilling.remove(r)
+                self._first_token(r)
+        while self.decoding and self.decoding[0][0] <= self.decode_count:
+            _, _, r = heapq.heappop(self.decoding)
+            self.decode_context -= r.join_context + self.decode_count - r.join_count
+            self._finish(r)
+        self._step()
+
+    def _first_token(self, r: SimRequest) -> None:
+        r.record.first_token_s = self.loop.now
+        if r.output == 1:
+            self._finish(r)
+            return
+        r.join_count = self.decode_count
+        r.join_context = r.prompt + 1  # the first decode attends to the prompt and itself
+        r.first_run = len(self.run_max)
+        self.decode_context += r.join_context
+        finish = self.decode_count + r.output - 1
+        heapq.heappush(self.decoding, (finish, next(self._order), r))
+
+    def _finish(self, r: SimRequest) -> None:
+        now, session, record = self.loop.now, r.session, r.record
+        record.finish_s, record.output_tokens = now, r.output
+        if r.output > 1:
+            self._stall_ranges.append((record, r.first_run, len(self.run_max)))
+        total = r.prompt + r.output
+        chunk = self.deployment.chunk_tokens
+        sizes = [
+            self.deployment.kv_bytes(min(chunk, total - start)) for start in range(0, total, chunk)
+        ]
+        self.used += sum(sizes) - (r.device_base + r.allocated)
+        session.reset(total, sizes, now)
+        self.running -= 1
+        self._end_turn(r)
+
+    def _fail(self, r: SimRequest, error: str) -> None:
+        r.record.failed, r.record.error = True, error
+        if r.committed:  # give back what admission took; loaded chunks stay on the device
+            self.used -= r.allocated - r.load_bytes * r.loads_started
+        self._end_turn(r)
+
+    def _end_turn(self, r: SimRequest) -> None:
+        session, now = r.session, self.loop.now
+        if session.busy:
+            session.turns[-1] = replace(session.turns[-1], finished=now)
+            session.busy = session.active = False
+            session.idle_since = now
+            session.changed()
+            self.epoch += 1
+        self.on_done(r.record)
+        if session.pending:
+            self.loop.at(now, self.arrive, session.pending.popleft())
+
+    # -- the retention policy ----------------------------------------------------------
+
+    def tick(self) -> None:
+        """The policy's timer: decide on the idle KV, then forget long-gone sessions."""
+        self._decide("timer", 0)
+        now = self.loop.now
+        for session_id, s in list(self.tracked.items()):
+            if not s.busy and not s.view().chunks and now - s.idle_since > self.track_s:
+                del self.tracked[session_id]
+        self._kick()
+
+    def view(self, reason: Reason = "timer", bytes_needed: int = 0) -> PolicyView:
+        tiers = [TierView("device", self.used - self.pending_free, self.capacity)]
+        if self.store is not None:
+            tiers += [
+                TierView(name, tier.used_bytes, tier.capacity_bytes)
+                for name, tier in self.store.tiers.items()
+            ]
+        waiting_bytes = sum(r.reserve - r.device_base - r.allocated for r in self.waiting)
+        return PolicyView(
+            tuple(s.view() for s in self.tracked.values()),
+            tuple(tiers),
+            QueueView(len(self.waiting), math.ceil(waiting_bytes / self.bytes_per_token)),
+            bytes_per_token=self.bytes_per_token,
+            reason=reason,
+            bytes_needed=bytes_needed,
+        )
+
+    def _decide(self, reason: Reason, bytes_needed: int) -> None:
+        view = self.view(reason, bytes_needed)
+        started = time.perf_counter()
+        actions = self.policy.decide(view, self.loop.now)
+        self.policy_s += time.perf_counter() - started
+        self.metrics.record(view, actions)
+        self._apply(actions)
+
+    def _apply(self, actions: Sequence[Action]) -> None:
+        """Run the actions in order, as the engine's store would (budgets are the policy's
+        obligation; a move that would not fit is dropped instead of overfilling a tier)."""
+        spills: dict[str, list[int]] = {}
+        for action in actions:
+            if isinstance(action, Keep):
+                continue
+            session = self.sessions[action.session_id]
+            indices = session.stored() if action.chunk_idx is None else [action.chunk_idx]
+            for i in indices:
+                source = session.tiers[i]
+                if source is None or isinstance(action, Drop):
+                    if source is not None:
+                        self._drop_chunk(session, i)
+                    continue
+                if action.form != "full":
+                    raise KvtierError(
+                        f"policy {self.policy.name!r} asked for form {action.form!r}; the "
+                        "simulator does not model compressed KV yet"
+                    )
+                if action.tier != source:
+                    self._move(session, i, action.tier, spills)
+            session.changed()
+        for tier, sizes in spills.items():
+            self._write(tier, sizes, self._spilled)
+
+    def _move(self, session: SimSession, i: int, tier: str, spills: dict[str, list[int]]) -> None:
+        size, source, chunk = session.sizes[i], session.tiers[i], session.chunk(i)
+        target = self.store.tiers.get(tier) if self.store is not None else None
+        if target is None or not target.fits(size):
+            self._drop_chunk(session, i)
+        elif source == "device":
+            if self.store.put(chunk, Payload.sized(size), tier=tier):
+                session.tiers[i] = tier
+                self.pending_free += size
+                spills.setdefault(tier, []).append(size)
+            else:
+                self._drop_chunk(session, i)
+        else:
+            moved = self.store.demote(chunk.id, to=tier)
+            session.tiers[i] = tier if moved else None
+            if moved:
+                self._write(tier, [size], None)
+
+    def _drop_chunk(self, session: SimSession, i: int) -> None:
+        tier = session.tiers[i]
+        if tier == "device":
+            self.used -= session.sizes[i]
+            self.epoch += 1
+        elif tier is not None:
+            self.store.delete(session.chunk(i).id)
+            self.dropped[tier] += session.sizes[i]
+        session.tiers[i] = None
+        session.changed()
+
+    # -- results -------------------------------------------------------------------------
+
+    def occupancy(self) -> dict[str, int]:
+        used = {"device": self.used}
+        if self.store is not None:
+            used |= {name: tier.used_bytes for name, tier in self.store.tiers.items()}
+        return used
+
+    def record_stalls(self) -> None:
+        """Each request's longest inter-token gap: the longest step of the decode runs it was
+        in (a request spans whole runs: runs end where a request joins or finishes)."""
+        if not self._stall_ranges:
+            return
+        longest = np.array([*self.run_max, 0.0])
+        bounds = np.array([b for _, first, end in self._stall_ranges for b in (first, end)])
+        for (record, _, _), value in zip(
+            self._stall_ranges, np.maximum.reduceat(longest, bounds)[::2], strict=True
+        ):
+            record.max_itl_s = float(value)
+
+    def tier_counters(self) -> dict[str, dict[str, Any]]:
+        """Per lower tier: budget, bytes/ops in and out, bytes dropped, bytes still held."""
+        if self.store is None:
+            return {}
+        out = {}
+        for name, tier in self.store.tiers.items():
+            stats = tier.stats
+            out[name] = {
+                "capacity_bytes": tier.capacity_bytes,
+                "bytes_written": stats.bytes_written,
+                "bytes_read": stats.bytes_read,
+                "bytes_dropped": self.dropped[name],
+                "resident_bytes": tier.used_bytes,
+                "writes": stats.writes,
+                "reads": stats.reads,
+            }
+        return out

@@ -1,0 +1,225 @@
+"""Where each retention policy wins: simulate a grid of resume share x context length x hardware
+x policy and tabulate the winner of every cell on TTFT p50 and p99, output throughput and bytes
+moved, with its margin over the runner-up.
+
+A cell's workload is the generator's `default` preset with every session opening on a document
+of exactly `context` tokens (so the history a resumed turn needs is about that long), and
+`resume_share` of the returns being pauses of minutes (resumed turns) rather than quick
+follow-ups (continuing turns). The table reports the resumed share of all turns it produced.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.policy.config import PolicyConfig
+from kvtier.results.records import RunRecords
+from kvtier.results.summary import summarize
+from kvtier.sim.deployment import Deployment
+from kvtier.sim.simulator import simulate
+from kvtier.workload.generator import generate
+from kvtier.workload.model import Request, flatten
+from kvtier.workload.presets import preset_config
+
+SCHEMA = "kvtier.sweep/1"
+# (summary field, label, True when higher is better)
+METRICS = (
+    ("median_ttft_ms", "TTFT p50", False),
+    ("p99_ttft_ms", "TTFT p99", False),
+    ("output_throughput", "output tok/s", True),
+    ("bytes_moved", "bytes read+written", False),
+)
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    resume_shares: Sequence[float]
+    contexts: Sequence[int]
+    hardware: Sequence[str]
+    policies: Sequence[str]
+    sessions: int = 60
+    seed: int = 0
+
+
+def sweep_workload(resume_share: float, context: int, sessions: int, seed: int) -> list[Request]:
+    config = preset_config(
+        "default",
+        sessions=sessions,
+        followup_share=1.0 - resume_share,
+        document_share=1.0,
+        document_tokens={"mean": context, "cv": 0.0, "min_tokens": context, "max_tokens": context},
+        max_history_tokens=max(32_768, 2 * context),
+    )
+    return flatten(generate(config, seed=seed))
+
+
+def run_sweep(
+    grid: SweepGrid,
+    deployment: Callable[[str], Deployment],
+    policy: Callable[[str], PolicyConfig],
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Simulate every cell; `deployment(hardware)` and `policy(name)` build the pieces."""
+    rows = []
+    for resume_share in grid.resume_shares:
+        for context in grid.contexts:
+            requests = sweep_workload(resume_share, context, grid.sessions, grid.seed)
+            for hardware in grid.hardware:
+                target = deployment(hardware)
+                for name in grid.policies:
+                    result = simulate(requests, target, policy(name))
+                    rows.append(_row(hardware, resume_share, context, name, result.run))
+                    progress(
+                        f"{hardware} resume {resume_share:g} context {context:,} {name}: "
+                        f"{result.events:,} events in {result.wall_s:.1f} s"
+                    )
+    return {
+        "schema": SCHEMA,
+        "grid": {
+            "resume_shares": list(grid.resume_shares),
+            "contexts": list(grid.contexts),
+            "hardware": list(grid.hardware),
+            "policies": list(grid.policies),
+            "sessions": grid.sessions,
+            "seed": grid.seed,
+        },
+        "rows": rows,
+        "winners": winners(rows),
+    }
+
+
+def _row(
+    hardware: str, resume_share: float, context: int, policy: str, run: RunRecords
+) -> dict[str, Any]:
+    s = summarize(run)
+    kinds = s["ttft_by_turn_kind"]
+    turns = sum(kinds[k]["count"] for k in kinds)
+    traffic = s["tier_bytes"].values()
+    return {
+        "hardware": hardware,
+        "resume_share": resume_share,
+        "context": context,
+        "policy": policy,
+        "resumed_share": kinds["resumed"]["count"] / turns if turns else 0.0,
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "median_ttft_ms": s["median_ttft_ms"],
+        "p99_ttft_ms": s["p99_ttft_ms"],
+        "output_throughput": s["output_throughput"],
+        "bytes_read": sum(t["bytes_read"] for t in traffic),
+        "bytes_written": sum(t["bytes_written"] for t in traffic),
+        "bytes_moved": sum(t["bytes_read"] + t["bytes_written"] for t in traffic),
+    }
+
+
+def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell and metric: the best policy, and its margin over the runner-up as a share of
+    the runner-up's value (0.25 = 25% lower latency / bytes, or 25% more throughput)."""
+    cells: dict[tuple[str, float, int], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault((row["hardware"], row["resume_share"], row["context"]), []).append(row)
+    out = []
+    for (hardware, resume_share, context), group in cells.items():
+        entry: dict[str, Any] = {
+            "hardware": hardware,
+            "resume_share": resume_share,
+            "context": context,
+            "resumed_share": group[0]["resumed_share"],
+        }
+        for field, _, higher in METRICS:
+            ranked = sorted(group, key=lambda r: (-r[field] if higher else r[field], r["policy"]))
+            best = ranked[0]
+            margin = None
+            if len(ranked) > 1 and ranked[1][field]:
+                margin = abs(ranked[1][field] - best[field]) / abs(ranked[1][field])
+            entry[field] = {"policy": best["policy"], "value": best[field], "margin": margin}
+        out.append(entry)
+    return out
+
+
+def markdown(sweep: Mapping[str, Any]) -> str:
+    head = ["hardware", "resume share", "context", "resumed turns"]
+    lines = ["### Winners (margin over the runner-up)", ""]
+    lines.append("| " + " | ".join(head + [label for _, label, _ in METRICS]) + " |")
+    lines.append("|" + "---|" * (len(head) + len(METRICS)))
+    for w in sweep["winners"]:
+        cells = [w["hardware"], f"{w['resume_share']:g}", f"{w['context']:,}"]
+        cells.append(f"{w['resumed_share']:.0%}")
+        for field, _, _ in METRICS:
+            best = w[field]
+            margin = "tie" if best["margin"] is None else f"{best['margin']:.0%}"
+            cells.append(f"{best['policy']} ({margin})")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "### Every run", ""]
+    fields = ["hardware", "resume", "context", "policy", "TTFT p50 ms", "TTFT p99 ms"]
+    fields += ["out tok/s", "GB read", "GB written", "failed"]
+    lines.append("| " + " | ".join(fields) + " |")
+    lines.append("|" + "---|" * len(fields))
+    for r in sweep["rows"]:
+        values = [r["hardware"], f"{r['resume_share']:g}", f"{r['context']:,}", r["policy"]]
+        values += [f"{r['median_ttft_ms']:,.0f}", f"{r['p99_ttft_ms']:,.0f}"]
+        values += [f"{r['output_throughput']:,.0f}", f"{r['bytes_read'] / 1e9:,.1f}"]
+        values += [f"{r['bytes_written'] / 1e9:,.1f}", str(r["failed"])]
+        lines.append("| " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(sweep: Mapping[str, Any], out_dir: str | Path, plots: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "sweep.json", out / "sweep.md"]
+    paths[0].write_text(json.dumps(sweep, indent=1) + "\n", encoding="utf-8")
+    paths[1].write_text(markdown(sweep), encoding="utf-8")
+    if plots:
+        paths.append(heatmap(sweep, out / "sweep_heatmap.png"))
+    return paths
+
+
+def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
+    """Winner per cell (colour) with its margin, one row of panels per hardware profile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    grid = sweep["grid"]
+    policies, shares, contexts = grid["policies"], grid["resume_shares"], grid["contexts"]
+    shown = [m for m in METRICS if m[0] in ("median_ttft_ms", "p99_ttft_ms", "output_throughput")]
+    colours = ListedColormap(plt.get_cmap("tab10").colors[: len(policies)])
+    fig, axes = plt.subplots(
+        len(grid["hardware"]),
+        len(shown),
+        figsize=(4.2 * len(shown), 3.2 * len(grid["hardware"]) + 0.6),
+        dpi=110,
+        squeeze=False,
+    )
+    by_cell = {(w["hardware"], w["resume_share"], w["context"]): w for w in sweep["winners"]}
+    for row, hardware in enumerate(grid["hardware"]):
+        for col, (field, label, _) in enumerate(shown):
+            ax = axes[row][col]
+            codes = [
+                [policies.index(by_cell[hardware, s, c][field]["policy"]) for c in contexts]
+                for s in shares
+            ]
+            ax.imshow(codes, cmap=colours, vmin=-0.5, vmax=len(policies) - 0.5, origin="lower")
+            for i, s in enumerate(shares):
+                for j, c in enumerate(contexts):
+                    best = by_cell[hardware, s, c][field]
+                    margin = "" if best["margin"] is None else f"\n-{best['margin']:.0%}"
+                    if field == "output_throughput" and best["margin"] is not None:
+                        margin = f"\n+{best['margin']:.0%}"
+                    ax.text(j, i, best["policy"] + margin, ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(contexts)), [f"{c:,}" for c in contexts])
+            ax.set_yticks(range(len(shares)), [f"{s:g}" for s in shares])
+            ax.set_xlabel("context tokens")
+            ax.set_ylabel("resume share")
+            ax.set_title(f"{hardware}: {label}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,100 @@
+"""`kvtier bench` through the CLI: bad input is one line and exit 2; a tiny run writes the
+results schema with vLLM's field names and renders the report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier import cli
+
+
+@pytest.fixture(autouse=True)
+def bench_command(monkeypatch):
+    # the CLI maps "bench" -> kvtier.bench.command (added in cli.py by its owner)
+    commands = {**cli.COMMANDS, "bench": ("kvtier.bench.command", "benchmark policies")}
+    monkeypatch.setattr(cli, "COMMANDS", commands)
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from parse_args
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("kvtier: error:")
+    return err
+
+
+def test_unknown_policy(capsys):
+    assert "unknown policy 'nope'" in _one_line_error(
+        capsys, ["bench", "--policies", "retain,nope"]
+    )
+
+
+def test_missing_trace(capsys, tmp_path):
+    err = _one_line_error(capsys, ["bench", "--workload", str(tmp_path / "missing.jsonl")])
+    assert "neither a preset" in err
+
+
+def test_bad_size_and_flags(capsys):
+    _one_line_error(capsys, ["bench", "--kv-cache-bytes", "lots"])
+    _one_line_error(capsys, ["bench", "--policies", ","])
+    _one_line_error(capsys, ["bench", "--no-such-flag"])
+
+
+def _tiny_trace(path):
+    """Two sessions of two turns, lengths only (bailian format: 16-token hash ids)."""
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 40,
+         "output_length": 3, "hash_ids": [1, 2, 3]},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 2.0, "input_length": 36,
+         "output_length": 3, "hash_ids": [7, 8, 9]},
+        {"chat_id": 3, "parent_chat_id": 1, "timestamp": 900.0, "input_length": 60,
+         "output_length": 3, "hash_ids": [1, 2, 3, 4]},
+        {"chat_id": 4, "parent_chat_id": 2, "timestamp": 1800.0, "input_length": 56,
+         "output_length": 3, "hash_ids": [7, 8, 9, 10]},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_tiny_run_writes_results_and_report(capsys, tmp_path):
+    out = tmp_path / "bench"
+    trace = _tiny_trace(tmp_path / "trace.jsonl")
+    argv = [
+        "bench",
+        "--workload", str(trace),
+        "--policies", "retain",
+        "--kv-cache-bytes", "16MiB",
+        "--no-progress",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| policy |" in printed and "| retain |" in printed
+    document = json.loads((out / "results.json").read_text())
+    assert document["schema"] == "kvtier.results/1"
+    assert document["source"] == "bench"
+    assert document["command"].startswith("kvtier bench")
+    workload = document["config"]["workload"]
+    assert workload["sessions"] == 2 and workload["length_scale"] == 1.0
+    assert document["config"]["runs"]["retain"]["idle_skipped_s"] > 1000
+    summary = document["runs"][0]["summary"]
+    for key in (
+        "completed", "failed", "duration", "request_throughput", "output_throughput",
+        "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+        "mean_tpot_ms", "p99_itl_ms", "median_e2el_ms",
+    ):  # fmt: skip
+        assert key in summary, key
+    assert summary["failed"] == 0 and summary["completed"] >= 2
+    lines = (out / "requests-retain.jsonl").read_text().splitlines()
+    assert len(lines) == summary["completed"]
+    kinds = sorted(json.loads(line)["turn_kind"] for line in lines)
+    assert kinds == ["new", "new", "resumed", "resumed"]
+    html = (out / "report.html").read_text()
+    assert "<table>" in html and ".png" in html
+    assert list(out.glob("*.png"))
+    assert (out / "report.md").read_text().startswith("### Policies")

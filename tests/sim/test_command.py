@@ -1,0 +1,84 @@
+"""`kvtier simulate` and `kvtier simulate sweep` end to end on tiny workloads, and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli import _ArgumentParser
+from kvtier.errors import KvtierError
+from kvtier.sim import command
+from kvtier.sim.sweep import winners
+
+
+def simulate(*argv: str) -> int:
+    parser = _ArgumentParser(prog="kvtier simulate")
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(list(argv)))
+
+
+SMALL = ("--model", "llama-3.1-8b", "--gpus", "1", "--device-kv-bytes", "2GB", "--no-plots")
+
+
+def test_run_writes_the_results_schema_and_validates_against_itself(tmp_path, capsys):
+    out = tmp_path / "sim"
+    args = ("--workload", "quick", "--policies", "retain,offload", "--out", str(out), *SMALL)
+    assert simulate(*args, "--workload-set", "sessions=6") == 0
+    document = json.loads((out / "results.json").read_text())
+    assert document["schema"] == "kvtier.results/1" and document["source"] == "simulate"
+    assert [run["policy"] for run in document["runs"]] == ["retain", "offload"]
+    assert document["config"]["device_kv_bytes"] == 2 * 10**9
+    assert "| offload |" in capsys.readouterr().out
+    again = tmp_path / "again"
+    args = ("--workload", "quick", "--policies", "offload", "--out", str(again), *SMALL)
+    assert (
+        simulate(*args, "--workload-set", "sessions=6", "--against", str(out / "results.json")) == 0
+    )
+    validation = json.loads((again / "validation.json").read_text())
+    errors = [row["relative_error"] for row in validation["policies"]["offload"].values()]
+    assert errors and all(e in (0.0, None) for e in errors)
+
+
+def test_sweep_writes_its_table_and_heatmap(tmp_path):
+    out = tmp_path / "sweep"
+    args = ("sweep", "--resume-shares", "0.2,0.8", "--contexts", "2000", "--sessions", "4")
+    args += ("--policies", "recompute,offload", "--out", str(out), *SMALL[:-1])
+    assert simulate(*args) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert len(sweep["rows"]) == 4 and len(sweep["winners"]) == 2
+    table = (out / "sweep.md").read_text()
+    assert "| h100-sxm | 0.2 | 2,000 |" in table and "TTFT p99" in table
+    assert (out / "sweep_heatmap.png").stat().st_size > 1000
+
+
+def test_winners_name_the_best_policy_and_its_margin():
+    rows = [
+        {"hardware": "h", "resume_share": 0.5, "context": 8, "policy": p, "resumed_share": 0.3,
+         "median_ttft_ms": ttft, "p99_ttft_ms": ttft, "output_throughput": tput, "bytes_moved": b}
+        for p, ttft, tput, b in (("cost", 80.0, 10.0, 5), ("offload", 100.0, 12.0, 0))
+    ]  # fmt: skip
+    [cell] = winners(rows)
+    assert cell["median_ttft_ms"] == {"policy": "cost", "value": 80.0, "margin": pytest.approx(0.2)}
+    assert cell["output_throughput"]["policy"] == "offload"
+    assert cell["bytes_moved"] == {"policy": "offload", "value": 0, "margin": pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--workload", "nosuch.jsonl"), "neither a preset"),
+        (("--validate",), "--validate needs --against"),
+        (("--hardware", "h300"), "unknown hardware profile 'h300'"),
+        (("--gpus", "8", "--tp", "3"), "--tp 3 must divide the GPU count 8"),
+        (("--policies", "lru9"), "unknown policy 'lru9'"),
+        (("--workload-set", "sessions"), "--workload-set takes KEY=VALUE"),
+        (("--workload-set", "sesions=4"), "sesions"),
+        (("--link", "disk=nvme9"), "unknown link 'nvme9'"),
+        (("sweep", "--resume-shares", "2"), "--resume-shares takes numbers in [0, 1]"),
+        (("--gpus", "1", "--tp", "1"), "do not fit in 90% of 1 x h100-sxm"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, argv, message):
+    with pytest.raises(KvtierError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        simulate("--workload", "quick", "--out", str(tmp_path), "--no-plots", *argv)
