@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml constraints.txt
 model: setup
 	$(BIN)/kvtier model prepare
 
+# The main job: the policy comparison on the embedded model (plus the planner's verdict
+# and a generation smoke run, so a broken install shows up in seconds, not minutes).
 demo: model
-	$(BIN)/kvtier plan --model smollm2-135m --context 2048,8192 --hardware h100-sxm
 	$(BIN)/kvtier plan --model seed-70b --context 8000,128000
 	$(BIN)/kvtier model generate --prompt "The capital of France is" --max-tokens 16
-	$(BIN)/kvtier model generate --chat --prompt "Name three colours." --max-tokens 32
+	$(BIN)/kvtier bench --quick --out out/bench
 
 # Debian packages the tests use (the tests start their own servers on loopback ports).
 system:

@@ -36,7 +36,7 @@ DEFAULT_KV_BYTES = "64MiB"
 # 2 CPU cores: 16 sessions of up to 4 turns, prompts up to ~1.5K tokens, 16-32 token answers,
 # follow-ups after seconds and pauses of minutes (skipped by the replay clock).
 QUICK_WORKLOAD: dict[str, Any] = {
-    "sessions": 16,
+    "sessions": 10,
     "session_rate": 0.25,
     "mean_turns": 3.0,
     "max_turns": 4,
@@ -48,8 +48,8 @@ QUICK_WORKLOAD: dict[str, Any] = {
     "user_tokens": {"mean": 40, "cv": 0.6, "min_tokens": 8, "max_tokens": 160},
     "answer_tokens": {"mean": 24, "cv": 0.25, "min_tokens": 16, "max_tokens": 32},
     "document_share": 0.5,
-    "document_tokens": {"mean": 700, "cv": 0.3, "min_tokens": 400, "max_tokens": 1100},
-    "max_history_tokens": 1400,
+    "document_tokens": {"mean": 500, "cv": 0.3, "min_tokens": 300, "max_tokens": 800},
+    "max_history_tokens": 1000,
 }
 
 
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the small demo workload (16 sessions, short answers) and its defaults",
+        help="the small demo workload (10 sessions, short answers) and its defaults",
     )
     work = parser.add_argument_group("workload")
     work.add_argument(
