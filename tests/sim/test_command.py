@@ -55,13 +55,19 @@ def test_sweep_writes_its_table_and_heatmap(tmp_path):
 def test_winners_name_the_best_policy_and_its_margin():
     rows = [
         {"hardware": "h", "resume_share": 0.5, "context": 8, "policy": p, "resumed_share": 0.3,
-         "median_ttft_ms": ttft, "p99_ttft_ms": ttft, "output_throughput": tput, "bytes_moved": b}
-        for p, ttft, tput, b in (("cost", 80.0, 10.0, 5), ("offload", 100.0, 12.0, 0))
+         "median_ttft_ms": ttft, "p99_ttft_ms": ttft, "output_throughput": tput, "bytes_moved": b,
+         "failed": failed}
+        for p, ttft, tput, b, failed in (
+            ("cost", 80.0, 10.0, 5, 0), ("offload", 100.0, 12.0, 0, 0),
+            ("retain", 100.2, 12.0, 0, 0), ("recompute", 10.0, 20.0, 0, 3),
+        )
     ]  # fmt: skip
     [cell] = winners(rows)
+    # recompute's latencies look best, but it failed requests
     assert cell["median_ttft_ms"] == {"policy": "cost", "value": 80.0, "margin": pytest.approx(0.2)}
-    assert cell["output_throughput"]["policy"] == "offload"
-    assert cell["bytes_moved"] == {"policy": "offload", "value": 0, "margin": pytest.approx(1.0)}
+    assert cell["output_throughput"] == {"policy": "offload=retain", "value": 12.0,
+                                         "margin": pytest.approx(0.2)}  # fmt: skip
+    assert cell["bytes_moved"]["policy"] == "offload=retain" and cell["bytes_moved"]["value"] == 0
 
 
 @pytest.mark.parametrize(

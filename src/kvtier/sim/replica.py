@@ -236,7 +236,10 @@ class Replica:
         # evictable until the scheduler takes it.
         if plan[1]:
             load_bytes = sum(session.sizes[i] for i in plan[1])
-            if self.capacity - self.used >= load_bytes:
+            ahead = sum(w.reserve - w.device_base - w.allocated for w in self.waiting)
+            ahead -= r.reserve - r.device_base  # itself (just queued, nothing allocated)
+            # only memory no earlier request needs: prefetching must not block the queue
+            if self.capacity - self.used - ahead >= load_bytes:
                 self._commit(r, plan)
                 self.used += r.load_bytes
                 r.allocated += r.load_bytes
@@ -416,10 +419,7 @@ class Replica:
             self.busy = False
             if not (self.waiting and self._stuck()):
                 return
-            self._fail(
-                self.waiting.popleft(),
-                "no device memory: the KV of the sessions waiting in the queue fills the pool",
-            )
+            self._unstick()
         self.busy = True
         now = self.loop.now
         if chunks:
@@ -445,6 +445,21 @@ class Replica:
             and self._futile_epoch == self.epoch
         )
 
+    def _unstick(self) -> None:
+        """Prefetched requests behind the head hold the memory the head needs, and nothing
+        runs that would free any: let the first one that fits go ahead (it frees its memory
+        when it ends); if none fits, the head fails."""
+        free = self.capacity - self.used
+        for r in self.waiting:
+            if r.committed and r.reserve - r.device_base - r.allocated <= free:
+                self.waiting.remove(r)
+                self._take(r)
+                return
+        self._fail(
+            self.waiting.popleft(),
+            "no device memory: the KV of the sessions waiting in the queue fills the pool",
+        )
+
     def _admit(self) -> None:
         while self.waiting and self.running < self.deployment.max_num_seqs:
             r = self.waiting[0]
@@ -453,14 +468,18 @@ class Replica:
             need = r.reserve - r.device_base - r.allocated
             if need > self.capacity - self.used and not self._make_room(need):
                 return
-            self.waiting.popleft()
-            self.used += need
-            r.allocated += need
-            r.record.scheduled_s = self.loop.now
-            self.prefilling.append(r)
-            self.running += 1
-            if r.phases and not r.loads_started:
-                self._start_loads(r)
+            self._take(self.waiting.popleft())
+
+    def _take(self, r: SimRequest) -> None:
+        """Admit `r`: reserve the rest of its context and start running it."""
+        need = r.reserve - r.device_base - r.allocated
+        self.used += need
+        r.allocated += need
+        r.record.scheduled_s = self.loop.now
+        self.prefilling.append(r)
+        self.running += 1
+        if r.phases and not r.loads_started:
+            self._start_loads(r)
 
     def _make_room(self, need: int) -> bool:
         if self.capacity - self.used + self.pending_free >= need:

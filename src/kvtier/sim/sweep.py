@@ -117,8 +117,10 @@ def _row(
 
 
 def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per cell and metric: the best policy, and its margin over the runner-up as a share of
-    the runner-up's value (0.25 = 25% lower latency / bytes, or 25% more throughput)."""
+    """Per cell and metric: the best policy (several joined by "=" when within half a percent
+    of each other), and its margin over the best of the rest as a share of that one's value
+    (0.25 = 25% lower latency / bytes, or 25% more throughput). Fewer failed requests rank
+    first: latencies leave failed requests out."""
     cells: dict[tuple[str, float, int], list[Mapping[str, Any]]] = {}
     for row in rows:
         cells.setdefault((row["hardware"], row["resume_share"], row["context"]), []).append(row)
@@ -131,19 +133,36 @@ def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "resumed_share": group[0]["resumed_share"],
         }
         for field, _, higher in METRICS:
-            ranked = sorted(group, key=lambda r: (-r[field] if higher else r[field], r["policy"]))
+            # a run that failed requests loses to one that did not: its latencies leave them out
+            ranked = sorted(
+                group,
+                key=lambda r: (r["failed"], -r[field] if higher else r[field], r["policy"]),
+            )
             best = ranked[0]
+            tied = [
+                r for r in ranked if r["failed"] == best["failed"] and _same(r[field], best[field])
+            ]
+            rest = [r for r in ranked if r not in tied]
             margin = None
-            if len(ranked) > 1 and ranked[1][field]:
-                margin = abs(ranked[1][field] - best[field]) / abs(ranked[1][field])
-            entry[field] = {"policy": best["policy"], "value": best[field], "margin": margin}
+            if rest and rest[0][field]:
+                margin = abs(rest[0][field] - best[field]) / abs(rest[0][field])
+            entry[field] = {
+                "policy": "=".join(sorted(r["policy"] for r in tied)),
+                "value": best[field],
+                "margin": margin,
+            }
         out.append(entry)
     return out
 
 
+def _same(a: float, b: float) -> bool:
+    """Within half a percent: not a difference the model can claim."""
+    return abs(a - b) <= 0.005 * max(abs(a), abs(b))
+
+
 def markdown(sweep: Mapping[str, Any]) -> str:
     head = ["hardware", "resume share", "context", "resumed turns"]
-    lines = ["### Winners (margin over the runner-up)", ""]
+    lines = ["### Winners (margin over the best of the rest; a=b: within 0.5%)", ""]
     lines.append("| " + " | ".join(head + [label for _, label, _ in METRICS]) + " |")
     lines.append("|" + "---|" * (len(head) + len(METRICS)))
     for w in sweep["winners"]:
@@ -151,7 +170,7 @@ def markdown(sweep: Mapping[str, Any]) -> str:
         cells.append(f"{w['resumed_share']:.0%}")
         for field, _, _ in METRICS:
             best = w[field]
-            margin = "tie" if best["margin"] is None else f"{best['margin']:.0%}"
+            margin = "-" if best["margin"] is None else f"{best['margin']:.0%}"
             cells.append(f"{best['policy']} ({margin})")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "### Every run", ""]
@@ -203,7 +222,10 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
         for col, (field, label, _) in enumerate(shown):
             ax = axes[row][col]
             codes = [
-                [policies.index(by_cell[hardware, s, c][field]["policy"]) for c in contexts]
+                [
+                    policies.index(by_cell[hardware, s, c][field]["policy"].split("=")[0])
+                    for c in contexts
+                ]
                 for s in shares
             ]
             ax.imshow(codes, cmap=colours, vmin=-0.5, vmax=len(policies) - 0.5, origin="lower")
