@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.bench.command",
         "run a multi-turn workload on the real engine under several policies",
     ),
+    "simulate": (
+        "kvtier.sim.command",
+        "the same policies at data-centre scale on hardware profiles, in simulated time",
+    ),
     "serve": (
         "kvtier.server.command",
         "OpenAI-compatible server with sessions, tenants and Prometheus metrics",

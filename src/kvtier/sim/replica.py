@@ -5,12 +5,15 @@ model instead of a model forward, and the engine's policy, restore planner and s
   tracker says). Its history's KV is what the conversation holds of the new prompt's prefix (a
   history budget that dropped old turns cuts it where the prefix block ids part). The restore
   planner (`policy.restore.plan_restore`) splits it into chunks to load and chunks to
-  recompute, and the loads start at once if the device has room for them (prefetch), else at
-  admission. Loads run on the tier's link, shared with every other transfer on it.
+  recompute, and the loads start at once if the device has room for them beyond what the
+  requests ahead need (prefetch), else at admission. Loads run on the tier's link, shared with
+  every other transfer on it. A queued request that is not prefetching pins nothing: its KV
+  stays movable, as a prefix cache's blocks do until the scheduler takes the request.
 - **Admission**, FCFS up to `max_num_seqs` running: the request reserves device memory for its
   whole context (prompt + output), so nothing is ever preempted. Short of memory, the policy is
   asked under pressure (`reason="pressure"`, `bytes_needed`); the queue waits while spills
-  that will free enough are in flight.
+  that will free enough are in flight. When nothing runs or moves and the policy cannot help,
+  the first queued request that fits goes ahead, or else the head fails.
 - **Steps**: every running decode gets a token, then prefill chunks fill the token budget in
   FCFS order (vLLM's decode-first chunked prefill). A request's prefill runs its recomputed
   chunks front to back, then the new prompt once every load has arrived; a recomputed chunk
