@@ -51,7 +51,8 @@ def _generate(model_dir, args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - started
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     started = time.perf_counter()
-    [output] = engine.generate([prompt], SamplingParams(max_tokens=args.max_tokens))
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    [output] = engine.generate([prompt], greedy)
     gen_s = time.perf_counter() - started
     print(f"prompt: {args.prompt!r}")
     print(f"output: {output.text!r}")
