@@ -1,13 +1,14 @@
 """Fit a hardware profile to measured engine steps: what `kvtier calibrate` will call.
 
-The step model says a step takes `overhead + max(FLOPs / R_c, bytes / R_m)` on one device
-(`step_model.py`), so three numbers describe a machine: the per-step overhead, the compute
-rate R_c and the memory rate R_m that real steps reach. Given timed prefill steps (tokens,
-context position, seconds) and decode steps (batch, context per sequence, seconds) of a known
-model, the fit alternates two moves until they agree: put each step on the side of the roofline
-the current estimate says binds it (prefill starts on compute, decode on memory), then solve
-`seconds = overhead + FLOPs / R_c` (compute-bound steps) and `overhead + bytes / R_m`
-(memory-bound ones) together by non-negative least squares.
+The step model says a step of S sequences takes `overhead + per_seq x S + max(FLOPs / R_c,
+bytes / R_m)` on one device (`step_model.py`), so four numbers describe a machine: the per-step
+and per-sequence overheads, the compute rate R_c and the memory rate R_m that real steps reach.
+Given timed prefill steps (tokens, context position, seconds) and decode steps (batch, context
+per sequence, seconds) of a known model, the fit alternates two moves until they agree: put
+each step on the side of the roofline the current estimate says binds it (prefill starts on
+compute, decode on memory), then solve `seconds = overhead + per_seq x S + FLOPs / R_c`
+(compute-bound steps) and `... + bytes / R_m` (memory-bound ones) together by non-negative
+least squares.
 
 The result is a profile whose accelerator numbers *are* the effective rates (efficiencies 1),
 with the base profile's memory size, interconnect and links.
@@ -49,25 +50,25 @@ def fit_profile(
             f"{len(measurements.prefill)} and {len(measurements.decode)}"
         )
     model = StepModel(base, geometry)
-    rows = []  # FLOPs, bytes, seconds
+    rows = []  # sequences, FLOPs, bytes, seconds
     for tokens, position, seconds in measurements.prefill:
         chunk = ((tokens, position),)
-        rows.append((model.flops(0, 0, chunk), model.memory_bytes(0, 0, chunk), seconds))
+        rows.append((1, model.flops(0, 0, chunk), model.memory_bytes(0, 0, chunk), seconds))
     for batch, context, seconds in measurements.decode:
         keys = batch * (context + 1)  # each sequence attends to its context and the new token
-        rows.append((model.flops(batch, keys), model.memory_bytes(batch, keys), seconds))
-    flops, nbytes, seconds = np.array(rows, dtype=float).T
+        rows.append((batch, model.flops(batch, keys), model.memory_bytes(batch, keys), seconds))
+    sequences, flops, nbytes, seconds = np.array(rows, dtype=float).T
     if (seconds <= 0).any() or not np.isfinite(seconds).all():
         raise KvtierError("measured step times must be finite and above zero")
     compute_bound = np.arange(len(rows)) < len(measurements.prefill)
     device = base.device()
     per_flop, per_byte = 1 / device.peak_flops, 1 / device.memory_bandwidth
-    overhead = 0.0
+    overhead = per_sequence = 0.0
     for _ in range(MAX_ROUNDS):
         features = np.column_stack(
-            [np.ones(len(rows)), flops * compute_bound, nbytes * ~compute_bound]
+            [np.ones(len(rows)), sequences, flops * compute_bound, nbytes * ~compute_bound]
         )
-        overhead, fitted_flop, fitted_byte = _nonnegative_lstsq(features, seconds)
+        overhead, per_sequence, fitted_flop, fitted_byte = _nonnegative_lstsq(features, seconds)
         # a side no step is bound by keeps the base profile's rate: the data cannot see it
         per_flop = fitted_flop if compute_bound.any() and fitted_flop > 0 else per_flop
         per_byte = fitted_byte if (~compute_bound).any() and fitted_byte > 0 else per_byte
@@ -83,13 +84,14 @@ def fit_profile(
         ),
         sources=[f"measured steps of {geometry.name}", *base.sources],
         accelerator=AcceleratorSpec(
-            name=f"{device.name} (measured)",
+            name=f"{base.name}, measured",
             peak_flops=1 / per_flop,
             memory_bandwidth=1 / per_byte,
             memory_bytes=device.memory_bytes,
         ),
         efficiency=Efficiency(compute=1.0, memory=1.0),
         step_overhead_s=overhead,
+        sequence_overhead_s=per_sequence,
         interconnect=base.interconnect,
         links=base.links,
     )

@@ -103,6 +103,7 @@ class HardwareProfile(_Strict):
     accelerator: str | AcceleratorSpec  # a kvtier.plan.hardware preset, or the numbers
     efficiency: Efficiency = Field(default_factory=Efficiency)
     step_overhead_s: NonNegativeFloat = 0.0  # per step, outside the GPU's work
+    sequence_overhead_s: NonNegativeFloat = 0.0  # per sequence in a step (bookkeeping, sampling)
     interconnect: Interconnect | None = None  # None: one GPU per replica only
     links: dict[LowerTier, LinkSpec] = Field(default_factory=dict)
 

@@ -1,9 +1,12 @@
 """Run a workload's requests through simulated replicas under one retention policy and record
 the run in the shared results schema (`kvtier.results`), exactly as `kvtier bench` does.
 
-Requests arrive at their trace times (shifted so the first is at 0), except that a turn is
-never sent before the previous turn of its conversation has ended: then it is sent at that
-moment. A conversation stays on the replica its first turn went to (the least loaded one then),
+Turns are sent as `kvtier bench` sends them: a conversation's first turn at its trace time
+(shifted so the first request is at 0); a later turn whose think time the workload knows
+(`think_s`, the generator's) that long after the previous answer really ended, so a slow
+policy delays the user; a later turn without one (traces) at its trace time, or when the
+previous answer ends if that is later. The oracle is told these send times as they become
+known. A conversation stays on the replica its first turn went to (the least loaded one then),
 so its KV is where its next turn is. The policy runs on every replica every `interval_s`, and
 tier occupancy is sampled then.
 """
@@ -16,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.bench.replay import next_arrivals
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostProfile
@@ -56,16 +60,38 @@ def simulate(
     profile = model.cost_profile()
     cost_model = config.cost_model(profile)
     origin = min((r.arrival_s for r in requests), default=0.0)
+    turns: dict[str, list[Request]] = {}
+    for request in sorted(requests, key=lambda r: (r.session_id, r.turn_index)):
+        turns.setdefault(request.session_id, []).append(request)
+    follower = {  # request id -> the closed-loop turn sent after it ends
+        t[k].request_id: t[k + 1]
+        for t in turns.values()
+        for k in range(len(t) - 1)
+        if t[k + 1].think_s is not None
+    }
+    arrivals = next_arrivals(requests)  # what the oracle is told, updated as turns are sent
     records: list[RequestRecord] = []
+
+    def done(record: RequestRecord) -> None:
+        records.append(record)
+        turn = follower.get(record.request_id)
+        if turn is not None:
+            send_at = loop.now + turn.think_s
+            loop.at(send_at, arrive, turn)
+            later = turns[turn.session_id][turn.turn_index :]
+            arrivals[turn.session_id][turn.turn_index :] = [
+                r.arrival_s - turn.arrival_s + send_at for r in later
+            ]
+
     track_s = config.predictor.max_age_s + config.interval_s
     replicas = [
         Replica(
             loop,
             deployment,
             model,
-            _policy(config, profile, requests, origin),
+            _policy(config, profile, arrivals),
             cost_model,
-            records.append,
+            done,
             track_s,
         )
         for _ in range(deployment.replicas)
@@ -90,8 +116,10 @@ def simulate(
         if len(records) < len(requests):
             loop.at(loop.now + config.interval_s, tick)
 
-    for request in requests:
-        loop.at(request.arrival_s - origin, arrive, request)
+    for t in turns.values():
+        for k, request in enumerate(t):
+            if k == 0 or request.think_s is None:
+                loop.at(request.arrival_s - origin, arrive, request)
     if requests:
         loop.at(config.interval_s, tick)
     loop.run()
@@ -115,14 +143,11 @@ def simulate(
 
 
 def _policy(
-    config: PolicyConfig, profile: CostProfile, requests: Sequence[Request], origin: float
+    config: PolicyConfig, profile: CostProfile, arrivals: dict[str, list[float]]
 ) -> RetentionPolicy:
-    if config.name != "oracle":
-        return build_policy(config, profile)
-    arrivals: dict[str, list[float]] = {}
-    for request in requests:
-        arrivals.setdefault(request.session_id, []).append(request.arrival_s - origin)
-    return OraclePolicy({session: sorted(times) for session, times in arrivals.items()})
+    if config.name == "oracle":
+        return OraclePolicy(arrivals)
+    return build_policy(config, profile)
 
 
 def _traffic(replicas: Sequence[Replica]) -> dict[str, TierTraffic]:

@@ -5,7 +5,8 @@ chunks (`t_j` tokens starting at position `p_j`) on one tensor-parallel group of
 
     FLOPs  = f_tok x (B + sum t_j) + f_pair x (C - B/2 + sum t_j (2 p_j + t_j) / 2)
     bytes  = W + kv x (C + sum p_j) + win x (B + #chunks with p_j > 0) + kv x (B + sum t_j)
-    step_s = overhead + max(FLOPs / (tp x peak x e_c), bytes / (tp x hbm x e_m)) + comm
+    step_s = overhead + per_seq x (B + #chunks)
+             + max(FLOPs / (tp x peak x e_c), bytes / (tp x hbm x e_m)) + comm
     comm   = 2 x layers x (lat_ic + 2 (tp - 1) / tp x (B + sum t_j) x hidden x 2 B / bw_ic)
 
 - `f_tok`, `f_pair`: FLOPs per token (2 per active parameter, plus sliding-window attention)
@@ -24,8 +25,8 @@ Transfers between a tier and the device take `latency + bytes / bandwidth` per c
 `TierLink` of the cost model), so a chunk of n bytes moves at n / (latency + n / bandwidth).
 
 `cost_profile()` hands the policies and the restore planner the same prefill coefficients:
-a = overhead + all-reduce latencies, b = (f_tok / compute rate) + all-reduce bytes per token,
-c = f_pair / compute rate (the compute-bound roofline; short prefills are slower here).
+a = overhead + per_seq + all-reduce latencies, b = f_tok / compute rate + all-reduce bytes
+per token, c = f_pair / compute rate (the compute-bound line; short prefills are slower here).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StepModel:
         else:
             self.comm_fixed_s = self.comm_per_token_s = 0.0
         self.overhead_s = profile.step_overhead_s
+        self.sequence_s = profile.sequence_overhead_s
         self.paths: dict[str, TierPath] = profile.tier_paths()
         self._lines: dict[int, tuple[float, float, float, float, float]] = {}
 
@@ -104,7 +106,13 @@ class StepModel:
         compute = self.flops(decodes, decode_context, chunks) / self.compute_rate
         memory = self.memory_bytes(decodes, decode_context, chunks) / self.memory_rate
         tokens = decodes + sum(t for t, _ in chunks)
-        return self.overhead_s + max(compute, memory) + self.comm_s(tokens)
+        sequences = decodes + len(chunks)
+        return (
+            self.overhead_s
+            + self.sequence_s * sequences
+            + max(compute, memory)
+            + self.comm_s(tokens)
+        )
 
     def prefill_s(self, tokens: int, context_pos: int = 0) -> float:
         """A step that only prefills `tokens` tokens at [context_pos, context_pos + tokens)."""
@@ -148,7 +156,7 @@ class StepModel:
             c0 = self.flops(decodes, 0) / self.compute_rate
             m0 = self.memory_bytes(decodes, 0) / self.memory_rate
             lines = self._lines[decodes] = (
-                self.overhead_s + self.comm_s(decodes),
+                self.overhead_s + self.sequence_s * decodes + self.comm_s(decodes),
                 c0,
                 self.flops(decodes, 1) / self.compute_rate - c0,
                 m0,
@@ -165,7 +173,7 @@ class StepModel:
     def cost_profile(self) -> CostProfile:
         """Prefill and link costs for the policies and the restore planner, from this model."""
         return CostProfile(
-            prefill_fixed_s=self.overhead_s + self.comm_fixed_s,
+            prefill_fixed_s=self.overhead_s + self.sequence_s + self.comm_fixed_s,
             prefill_token_s=self.flops_per_token / self.compute_rate + self.comm_per_token_s,
             prefill_pair_s=self.flops_per_pair / self.compute_rate,
             links={tier: path.read for tier, path in self.paths.items()},

@@ -155,6 +155,10 @@ def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _colour(winner: str, policies: Sequence[str]) -> int:
+    return policies.index(winner) if "=" not in winner else len(policies)
+
+
 def _same(a: float, b: float) -> bool:
     """Within half a percent: not a difference the model can claim."""
     return abs(a - b) <= 0.005 * max(abs(a), abs(b))
@@ -209,7 +213,8 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
     grid = sweep["grid"]
     policies, shares, contexts = grid["policies"], grid["resume_shares"], grid["contexts"]
     shown = [m for m in METRICS if m[0] in ("median_ttft_ms", "p99_ttft_ms", "output_throughput")]
-    colours = ListedColormap(plt.get_cmap("tab10").colors[: len(policies)])
+    # one colour per policy, grey for a tie between several
+    colours = ListedColormap([*plt.get_cmap("tab10").colors[: len(policies)], "lightgrey"])
     fig, axes = plt.subplots(
         len(grid["hardware"]),
         len(shown),
@@ -219,23 +224,18 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
     )
     by_cell = {(w["hardware"], w["resume_share"], w["context"]): w for w in sweep["winners"]}
     for row, hardware in enumerate(grid["hardware"]):
-        for col, (field, label, _) in enumerate(shown):
+        for col, (field, label, higher) in enumerate(shown):
             ax = axes[row][col]
-            codes = [
-                [
-                    policies.index(by_cell[hardware, s, c][field]["policy"].split("=")[0])
-                    for c in contexts
-                ]
-                for s in shares
-            ]
-            ax.imshow(codes, cmap=colours, vmin=-0.5, vmax=len(policies) - 0.5, origin="lower")
-            for i, s in enumerate(shares):
-                for j, c in enumerate(contexts):
-                    best = by_cell[hardware, s, c][field]
-                    margin = "" if best["margin"] is None else f"\n-{best['margin']:.0%}"
-                    if field == "output_throughput" and best["margin"] is not None:
-                        margin = f"\n+{best['margin']:.0%}"
-                    ax.text(j, i, best["policy"] + margin, ha="center", va="center", fontsize=8)
+            best = [[by_cell[hardware, s, c][field] for c in contexts] for s in shares]
+            codes = [[_colour(b["policy"], policies) for b in line] for line in best]
+            ax.imshow(codes, cmap=colours, vmin=-0.5, vmax=len(policies) + 0.5, origin="lower")
+            for i, line in enumerate(best):
+                for j, b in enumerate(line):
+                    names = b["policy"].split("=")
+                    text = "all tie" if len(names) == len(policies) else "/".join(names)
+                    if b["margin"] is not None:
+                        text += f"\n{'+' if higher else '-'}{b['margin']:.0%}"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=8)
             ax.set_xticks(range(len(contexts)), [f"{c:,}" for c in contexts])
             ax.set_yticks(range(len(shares)), [f"{s:g}" for s in shares])
             ax.set_xlabel("context tokens")
