@@ -98,3 +98,33 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     assert "<table>" in html and ".png" in html
     assert list(out.glob("*.png"))
     assert (out / "report.md").read_text().startswith("### Policies")
+
+
+def test_oracle_needs_tiers(capsys, tmp_path):
+    trace = _tiny_trace(tmp_path / "trace.jsonl")
+    argv = ["bench", "--workload", str(trace), "--policies", "oracle", "--host-bytes", "0"]
+    err = _one_line_error(capsys, argv)
+    assert "oracle policy needs tiers" in err
+
+
+def test_oracle_runs_as_a_policy_object(capsys, tmp_path):
+    """The oracle is handed to the engine as a built policy (it needs the future); its run is
+    labelled oracle and its runner really made decisions."""
+    out = tmp_path / "bench"
+    trace = _tiny_trace(tmp_path / "trace.jsonl")
+    argv = [
+        "bench",
+        "--workload", str(trace),
+        "--policies", "oracle",
+        "--kv-cache-bytes", "16MiB",
+        "--host-bytes", "16MiB",
+        "--no-progress", "--no-plots",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert [run["policy"] for run in document["runs"]] == ["oracle"]
+    stats = document["config"]["runs"]["oracle"]["engine_stats"]
+    assert stats["tiers"]["policy"] == "oracle"
+    assert sum(stats["tiers"]["policy_runs"].values()) > 0
+    assert document["runs"][0]["summary"]["failed"] == 0

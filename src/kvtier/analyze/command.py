@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
+from kvtier.workload.source import PRESET_NAMES
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Workload
 
 FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # kept in step with workload.traces
-PRESET_NAMES = ("quick", "default")  # kept in step with workload.presets
 DEFAULT_MODEL = "llama-3.1-70b"
 DEFAULT_OUT = "out/analyze"
 

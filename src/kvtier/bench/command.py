@@ -14,7 +14,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -23,34 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
+from kvtier.workload.source import PRESET_NAMES
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Workload
 
-PRESET_NAMES = ("quick", "default")  # kept in step with workload.presets
 DEFAULT_POLICIES = "retain,recompute,offload,cost,oracle"
 DEFAULT_OUT = "out/bench"
 DEFAULT_KV_BYTES = "64MiB"
-
-# --quick: the generator's quick preset shrunk to finish all five policies in a few minutes on
-# 2 CPU cores: 16 sessions of up to 4 turns, prompts up to ~1.5K tokens, 16-32 token answers,
-# follow-ups after seconds and pauses of minutes (skipped by the replay clock).
-QUICK_WORKLOAD: dict[str, Any] = {
-    "sessions": 10,
-    "session_rate": 0.25,
-    "mean_turns": 3.0,
-    "max_turns": 4,
-    "followup_share": 0.5,
-    "followup_median_s": 6.0,
-    "pause_median_s": 120.0,
-    "system_prompt_tokens": 96,
-    "apps": 2,
-    "user_tokens": {"mean": 40, "cv": 0.6, "min_tokens": 8, "max_tokens": 160},
-    "answer_tokens": {"mean": 24, "cv": 0.25, "min_tokens": 16, "max_tokens": 32},
-    "document_share": 0.5,
-    "document_tokens": {"mean": 500, "cv": 0.3, "min_tokens": 300, "max_tokens": 800},
-    "max_history_tokens": 1000,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the small demo workload (10 sessions, short answers) and its defaults",
+        help="the demo workload (preset `demo`: 10 sessions, short answers) and its defaults",
     )
     work = parser.add_argument_group("workload")
     work.add_argument(
@@ -141,12 +120,6 @@ def run(args: argparse.Namespace) -> int:
     requests = flatten(workload)
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
-    skipped = engines.unavailable_policies(names)
-    for name, reason in skipped.items():
-        print(f"skipping policy {name}: {reason}", file=sys.stderr)
-    runnable = [name for name in names if name not in skipped]
-    if not runnable:
-        raise KvtierError("none of the policies can run on this engine: " + ", ".join(skipped))
     base = {
         "model_dir": args.model,
         "dtype": args.dtype,
@@ -158,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     }
     tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path)
     results = []
-    for name in runnable:
+    for name in names:
         results.append(_run_policy(args, name, base, tiers, policy_config, requests))
     runs = [r.run for r in results]
 
@@ -167,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
     config = {
         "workload": describe_workload(workload, args),
         "requests": len(requests),
-        "policies": runnable,
-        "skipped_policies": skipped,
+        "policies": names,
         "engine": {k: v for k, v in base.items() if v is not None} | {"tiers": _tiers(tiers)},
         "host_bytes": host_bytes,
         "disk_bytes": disk_bytes,
@@ -204,9 +176,11 @@ def _run_policy(args, name, base, tiers, policy_config, requests):
     from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
 
     arrivals = next_arrivals(requests)
-    config, oracle = engines.engine_config(base, name, tiers, arrivals, policy_config)
+    from kvtier.engine.engine import Engine
+
+    config = engines.engine_config(base, name, tiers, arrivals, policy_config)
     clock = BenchClock()
-    engine = engines.build_engine(config, oracle, clock)
+    engine = Engine(config, clock=clock)
     try:
         warm_up(engine)
         clock.restart()
@@ -260,54 +234,28 @@ class _progress:
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
-    """The workload the flags describe: --quick, a generator preset, or a trace file."""
-    from kvtier.workload.generator import generate
+    """The workload the flags describe: --quick (the `demo` preset), a generator preset, or a
+    trace file."""
+    from kvtier.workload.source import load_workload as load
 
-    if args.sessions is not None and args.sessions < 1:
-        raise KvtierError(f"--sessions must be at least 1, not {args.sessions}")
-    if args.quick or args.workload in PRESET_NAMES:
-        from kvtier.sim.command import _generator_config
-
-        preset = "quick" if args.quick else args.workload
-        settings = list(args.workload_set)
-        if args.quick:
-            settings = [f"{k}={json.dumps(v)}" for k, v in QUICK_WORKLOAD.items()] + settings
-        workload = generate(_generator_config(preset, settings), seed=args.seed)
-        if args.scale_to:
-            from kvtier.workload.scale import scale_to_context
-
-            workload = scale_to_context(workload, args.scale_to)
-    else:
-        from kvtier.workload.traces import load_trace
-
-        if args.workload_set:
-            raise KvtierError("--workload-set changes generator presets, not trace files")
-        if not Path(args.workload).is_file():
-            raise KvtierError(
-                f"--workload {args.workload!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
-                "nor an existing trace file"
-            )
-        workload = load_trace(
-            args.workload, args.trace_format, scale_to=args.scale_to, seed=args.seed
-        )
-    if args.sessions is not None:
-        from dataclasses import replace
-
-        workload = replace(workload, sessions=workload.sessions[: args.sessions])
-    return workload
+    return load(
+        "demo" if args.quick else args.workload,
+        settings=args.workload_set,
+        trace_format=args.trace_format,
+        seed=args.seed,
+        scale_to=args.scale_to,
+        sessions=args.sessions,
+    )
 
 
 def describe_workload(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "name": "bench-quick" if args.quick else args.workload,
+        "name": "demo" if args.quick else args.workload,
         "source": workload.source,
         "sessions": len(workload.sessions),
         "turns": workload.num_turns,
         "seed": args.seed,
-        "workload_set": (
-            [f"{k}={json.dumps(v)}" for k, v in QUICK_WORKLOAD.items()] if args.quick else []
-        )
-        + list(args.workload_set),
+        "workload_set": list(args.workload_set),
         "length_scale": workload.length_scale,
         "max_history_tokens": workload.max_history_tokens,
         "notes": list(workload.notes),

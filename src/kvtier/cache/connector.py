@@ -40,6 +40,7 @@ from kvtier.tiers.base import TierBackend
 if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
     from kvtier.engine.engine import Engine
+    from kvtier.policy.base import RetentionPolicy
     from kvtier.policy.config import PolicyConfig
     from kvtier.tiers.mover import Prefetch
 
@@ -76,7 +77,7 @@ class TieredConnector:
         self.runner = PolicyRunner(self, config.policy, config.policy_config)
         spill = tiers_config.spill_on_evict
         self.spill_on_evict = (
-            spill if spill is not None else config.policy not in ("retain", "recompute")
+            spill if spill is not None else self.runner.policy_name not in ("retain", "recompute")
         )
         # block key -> (the chunk's block keys, namespace) of the latest finished sequence
         self._chunk_of: dict[bytes, tuple[tuple[bytes, ...], str]] = {}
@@ -416,7 +417,7 @@ def _now() -> float:
 def attach_connector(
     engine: Engine,
     tiers: TiersConfig | None,
-    policy: str = "retain",
+    policy: str | RetentionPolicy = "retain",
     policy_config: PolicyConfig | None = None,
 ) -> TieredConnector | None:
     """Give an existing engine a fresh connector (or none), replacing the one it has.

@@ -36,6 +36,7 @@ from kvtier.tiers import Chunk
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector
     from kvtier.policy.actions import Action
+    from kvtier.policy.base import RetentionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,20 @@ class _SessionKeys:
 
 class PolicyRunner:
     def __init__(
-        self, connector: TieredConnector, policy: str, config: PolicyConfig | None
+        self,
+        connector: TieredConnector,
+        policy: str | RetentionPolicy,
+        config: PolicyConfig | None,
     ) -> None:
         self.connector = connector
-        self.config = (config or PolicyConfig()).model_copy(update={"name": policy})
-        self.policy_name = policy
-        self.policy = build_policy(self.config, connector.config.cost_profile)
+        name = policy if isinstance(policy, str) else policy.name or type(policy).__name__
+        self.config = (config or PolicyConfig()).model_copy(update={"name": name})
+        self.policy_name = name
+        self.policy = (
+            build_policy(self.config, connector.config.cost_profile)
+            if isinstance(policy, str)
+            else policy
+        )
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
         self.interval_s = self.config.interval_s
         self.sessions: dict[str, _SessionKeys] = {}

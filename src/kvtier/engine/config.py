@@ -11,6 +11,7 @@ from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
+    from kvtier.policy.base import RetentionPolicy
     from kvtier.policy.config import PolicyConfig
 
 Priority = Literal["decode_first", "prefill_first"]
@@ -44,10 +45,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     session_resume_after_s: float = 30.0
     # Tiered KV (kvtier.cache): None keeps every block on the device only. `policy` names the
-    # retention policy; `policy_config` (kvtier.policy.config.PolicyConfig) overrides its
-    # settings (its `name` is replaced by `policy`).
+    # retention policy, or is a ready-built `RetentionPolicy` (one that cannot be built from
+    # configuration, such as the oracle, which needs the future); `policy_config`
+    # (kvtier.policy.config.PolicyConfig) overrides its settings (its `name` is replaced).
     tiers: TiersConfig | None = None
-    policy: str = "retain"
+    policy: str | RetentionPolicy = "retain"
     policy_config: PolicyConfig | None = None
 
     def __post_init__(self) -> None:

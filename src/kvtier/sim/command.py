@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
+from kvtier.workload.source import PRESET_NAMES
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
     from kvtier.sim.deployment import Deployment
-    from kvtier.workload.config import GeneratorConfig
     from kvtier.workload.model import Request
 
-PRESET_NAMES = ("quick", "default")  # kept in step with workload.presets
 FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # kept in step with workload.traces
 DEFAULT_POLICIES = "retain,recompute,offload,cost"
 DEFAULT_OUT = "out/simulate"
@@ -162,50 +161,20 @@ def _names(text: str) -> list[str]:
 
 
 def _requests(args: argparse.Namespace) -> list[Request]:
-    from kvtier.workload.generator import generate
     from kvtier.workload.model import flatten
+    from kvtier.workload.source import load_workload
 
-    if args.workload in PRESET_NAMES:
-        workload = generate(_generator_config(args.workload, args.workload_set), seed=args.seed)
-    else:
-        from kvtier.workload.traces import load_trace
-
-        if args.workload_set:
-            raise KvtierError("--workload-set changes generator presets, not trace files")
-        if not Path(args.workload).is_file():
-            raise KvtierError(
-                f"--workload {args.workload!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
-                "nor an existing trace file"
-            )
-        workload = load_trace(args.workload, args.trace_format, seed=args.seed)
-    requests = flatten(workload)
+    requests = flatten(
+        load_workload(
+            args.workload,
+            settings=args.workload_set,
+            trace_format=args.trace_format,
+            seed=args.seed,
+        )
+    )
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
     return requests
-
-
-def _generator_config(preset: str, settings: list[str]) -> GeneratorConfig:
-    from kvtier.workload.config import GeneratorConfig
-    from kvtier.workload.presets import PRESETS
-
-    values: dict[str, Any] = json.loads(json.dumps(PRESETS[preset]))  # a deep copy
-    for setting in settings:
-        key, sep, text = setting.partition("=")
-        if not sep or not key.strip():
-            raise KvtierError(
-                f"--workload-set takes KEY=VALUE (e.g. sessions=1000), not {setting!r}"
-            )
-        *parents, last = key.strip().split(".")
-        node = values
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise KvtierError(f"--workload-set {key}: {part!r} is not a table")
-        try:
-            node[last] = json.loads(text)
-        except json.JSONDecodeError:
-            node[last] = text
-    return GeneratorConfig.from_dict(values)
 
 
 def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
