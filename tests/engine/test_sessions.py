@@ -32,6 +32,28 @@ def test_turn_kinds_follow_the_gap_since_the_previous_turn_ended():
     assert [t.turn_index for t in tracker.turns("s")] == [0, 1, 2]
 
 
+def test_memory_is_bounded_idle_sessions_are_forgotten():
+    clock = FakeClock()
+    tracker = SessionTracker(clock, resume_after_s=30, forget_after_s=1000, max_turns=3)
+    for i in range(5):
+        tracker.start_turn("long", f"l{i}", 10)
+        tracker.end_turn(f"l{i}")
+        clock.advance(10)
+    assert [t.turn_index for t in tracker.turns("long")] == [2, 3, 4]  # the last three kept
+    tracker.start_turn("running", "run", 10)  # never ends: must not be forgotten
+    tracker.start_turn("idle", "i0", 10)
+    tracker.end_turn("i0")
+    clock.advance(990)
+    tracker.start_turn("fresh", "f0", 10)  # "long" ended 1,000 s ago: still remembered
+    assert "long" in tracker.sessions
+    clock.advance(120)  # past the next sweep (every 100 s here)
+    again = tracker.start_turn("long", "l5", 10)  # 1,120 s idle: forgotten, counts as new
+    assert again.kind is TurnKind.NEW and again.turn_index == 0
+    assert "idle" not in tracker.sessions  # idle 1,110 s
+    assert "running" in tracker.sessions and "fresh" in tracker.sessions
+    assert tracker.turns("idle") == []
+
+
 def test_turn_arriving_while_the_previous_runs_is_continuing():
     clock = FakeClock()
     tracker = SessionTracker(clock, resume_after_s=30)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvtier.clock import VirtualClock
 from kvtier.policy.base import RetentionPolicy
-from kvtier.policy.clock import ManualClock
 from kvtier.policy.cost_model import CostModel, CostProfile
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.ledger import Ledger
@@ -66,7 +66,7 @@ class Replay:
 
     def __init__(self, policy: RetentionPolicy, capacity: dict[str, int]) -> None:
         self.policy, self.capacity = policy, capacity
-        self.clock = ManualClock()
+        self.clock = VirtualClock()
         self.sessions = {name: _Session() for name in WORKLOAD}
         self.restore_s: list[float] = []
         self.metrics = PolicyMetrics()

@@ -6,7 +6,7 @@ results.json (schema kvtier.results/1, the same files `kvtier simulate` writes),
 requests-<policy>.jsonl, report.md and, unless --no-plots, report.html with PNG plots.
 
 Examples:
-  kvtier bench --quick                                  # ~5 min on 2 CPU cores
+  kvtier bench --quick                                  # ~3.5 min on 2 CPU cores
   kvtier bench --workload quick --policies retain,cost --kv-cache-bytes 64MiB
   kvtier bench --workload trace.jsonl --trace-format mooncake --scale-to 2048 --sessions 20
 """
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the demo workload (preset `demo`: 10 sessions, short answers) and its defaults",
+        help="the demo workload (preset `demo`: 10 sessions, short answers), 1 thread",
     )
     work = parser.add_argument_group("workload")
     work.add_argument(
@@ -89,7 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--disk-path", metavar="DIR", help="disk tier folder")
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     eng.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
-    eng.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    eng.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: all cores; 1 with --quick, see docs/bench.md)",
+    )
     eng.add_argument(
         "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
     )
@@ -126,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         "kv_cache_bytes": kv_bytes,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_batched_tokens,
-        "num_threads": args.threads,
+        # --quick runs on 1 thread: a 2-thread OpenMP pool stalls whenever anything else
+        # needs a core (measured 10x slower prefills), one thread keeps the demo's time bounded.
+        "num_threads": 1 if args.quick and args.threads is None else args.threads,
         "session_resume_after_s": args.resume_after,
     }
     tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.clock import ReplayClock
 from kvtier.errors import KvtierError
 from kvtier.results.records import (
     STORE_TIERS,
@@ -36,7 +37,6 @@ from kvtier.results.records import (
     RunRecords,
     TierTraffic,
 )
-from kvtier.workload.clock import ReplayClock
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine, RequestOutput

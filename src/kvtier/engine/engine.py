@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvtier.clock import Clock
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig
@@ -35,7 +36,7 @@ from kvtier.engine.request import FinishReason, Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.scheduler import Scheduler
-from kvtier.engine.sessions import Clock, SessionTracker
+from kvtier.engine.sessions import SessionTracker
 from kvtier.engine.stream_loop import StepLoop
 from kvtier.errors import KvtierError
 from kvtier.models import resolve_model_dir

@@ -10,20 +10,10 @@ run in trace time.
 from __future__ import annotations
 
 import enum
-import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-
-class MonotonicClock:
-    """Real time, in seconds, immune to wall-clock jumps."""
-
-    def now(self) -> float:
-        return time.monotonic()
+from kvtier.clock import Clock, RealClock
 
 
 class TurnKind(enum.StrEnum):
@@ -53,15 +43,32 @@ class TurnRecord:
 
 
 class SessionTracker:
-    def __init__(self, clock: Clock | None = None, resume_after_s: float = 30.0) -> None:
-        self.clock = clock or MonotonicClock()
+    """Turn records per session, with bounded memory for a server that runs for weeks: each
+    session keeps its last `max_turns` turns, and a session idle for `forget_after_s` is
+    forgotten (its next turn counts as new)."""
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        resume_after_s: float = 30.0,
+        forget_after_s: float = 24 * 3600.0,
+        max_turns: int = 64,
+    ) -> None:
+        self.clock = clock or RealClock()
         self.resume_after_s = resume_after_s
-        self.sessions: dict[str, list[TurnRecord]] = {}
+        self.forget_after_s = forget_after_s
+        self.max_turns = max_turns
+        self.sessions: dict[str, deque[TurnRecord]] = {}
+        self._next_sweep = 0.0
+        self._turn_count: dict[str, int] = {}
         self._by_request: dict[str, TurnRecord] = {}
 
     def start_turn(self, session_id: str, request_id: str, num_prompt_tokens: int) -> TurnRecord:
         now = self.clock.now()
-        turns = self.sessions.setdefault(session_id, [])
+        self._forget_idle(now)
+        turns = self.sessions.get(session_id)
+        if turns is None:
+            turns = self.sessions[session_id] = deque(maxlen=self.max_turns)
         if not turns:
             kind, gap = TurnKind.NEW, None
         else:
@@ -69,9 +76,11 @@ class SessionTracker:
             previous_end = turns[-1].ended_at if turns[-1].ended_at is not None else now
             gap = now - previous_end
             kind = TurnKind.CONTINUING if gap <= self.resume_after_s else TurnKind.RESUMED
+        index = self._turn_count.get(session_id, 0)
+        self._turn_count[session_id] = index + 1
         record = TurnRecord(
             session_id=session_id,
-            turn_index=len(turns),
+            turn_index=index,
             request_id=request_id,
             kind=kind,
             gap_s=gap,
@@ -81,6 +90,18 @@ class SessionTracker:
         turns.append(record)
         self._by_request[request_id] = record
         return record
+
+    def _forget_idle(self, now: float) -> None:
+        # A sweep over all sessions, at most once per tenth of the expiry age: amortised O(1)
+        # per turn, and a session is forgotten at most 10% later than asked.
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.forget_after_s / 10
+        for session_id, turns in list(self.sessions.items()):
+            last = turns[-1]
+            if last.ended_at is not None and now - last.ended_at > self.forget_after_s:
+                del self.sessions[session_id]
+                del self._turn_count[session_id]
 
     def record_prefix(self, request_id: str, num_cached_tokens: int) -> None:
         record = self._by_request.get(request_id)

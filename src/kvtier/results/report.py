@@ -116,7 +116,7 @@ def tables(document: Mapping[str, Any]) -> list[Table]:
                 run["policy"],
                 f"{s['completed']:,}/{s['failed']:,}",
                 f"{s['request_throughput']:.3g}",
-                f"{s['output_throughput']:,.0f}",
+                f"{s['output_throughput']:,.3g}",
                 f"{_ms(s['mean_ttft_ms'])} / {_ms(s['median_ttft_ms'])} / {_ms(s['p99_ttft_ms'])}",
                 _ms(s["median_tpot_ms"]),
                 _ms(s["p99_itl_ms"]),

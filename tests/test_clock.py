@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.workload.clock import RealClock, ReplayClock, VirtualClock
+from kvtier.clock import RealClock, ReplayClock, VirtualClock
 
 
 class FakeTime:

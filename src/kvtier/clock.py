@@ -1,6 +1,7 @@
-"""Clocks that replay a workload's trace time: simulated, real, or real with idle time skipped.
-
-All three share one interface, in trace seconds (0 = the start of the replay):
+"""Where `now` comes from, for every part of kvtier: real, simulated, or real with idle time
+skipped. Readers (the engine's session tracker, the policy runner; policies themselves never
+read a clock, they get `now` as an argument) need only `Clock.now()`. Drivers (the bench replay,
+the simulator) also move time, through `DrivenClock`, in trace seconds (0 = replay start):
 
 - `now()`;
 - `sleep_until(t)`: wait while work may run until trace time `t` (real clocks sleep);
@@ -21,8 +22,12 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    def now(self) -> float: ...
+    def now(self) -> float:
+        """Seconds on a monotonic timeline; only differences matter."""
+        ...
 
+
+class DrivenClock(Clock, Protocol):
     def sleep_until(self, t: float) -> None: ...
 
     def advance_to(self, t: float) -> None: ...
