@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.sim.command",
         "the same policies at data-centre scale on hardware profiles, in simulated time",
     ),
+    "calibrate": ("kvtier.sim.calibrate_command", "time the engine here, fit a local-cpu profile"),
     "serve": (
         "kvtier.server.command",
         "OpenAI-compatible server with sessions, tenants and Prometheus metrics",

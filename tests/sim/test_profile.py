@@ -24,7 +24,7 @@ GOOD = {
 def test_every_bundled_profile_loads_and_resolves_its_links():
     assert set(bundled_profiles()) == {"h100-sxm", "h200", "a100-80gb", "l40s", "local-cpu"}
     for name in bundled_profiles():
-        profile = load_profile(name)
+        profile = load_profile(name, calibrated=False)
         assert profile.sources, f"{name} cites no source"
         paths = profile.tier_paths()
         assert set(paths) == {"host", "disk", "remote"}
@@ -33,7 +33,8 @@ def test_every_bundled_profile_loads_and_resolves_its_links():
     assert h100.device() is ACCELERATORS["h100-sxm"]  # the plan's preset, not a copy
     nvme = h100.tier_paths()["disk"]
     assert (nvme.read.bandwidth, nvme.write.bandwidth, nvme.duplex) == (14e9, 10e9, False)
-    assert load_profile("local-cpu").device().peak_flops == 2e11
+    local = load_profile("local-cpu", calibrated=False)  # measured by kvtier calibrate
+    assert "PLACEHOLDER" not in local.description and "kvtier calibrate" in local.description
 
 
 def test_profiles_load_from_toml_and_json_files(tmp_path):
@@ -79,18 +80,27 @@ def test_unknown_names_and_unreadable_files_are_clear(tmp_path):
 
 def test_fit_recovers_the_machine_that_made_the_measurements():
     geometry = load_geometry("smollm2-135m")
-    truth = load_profile("local-cpu").model_copy(
-        update={"step_overhead_s": 0.004, "sequence_overhead_s": 0.002}
+    base = load_profile("local-cpu", calibrated=False)
+    truth = base.model_copy(
+        update={
+            "step_overhead_s": 0.004,
+            "sequence_overhead_s": 0.002,
+            "key_overhead_s": 2e-5,
+            "accelerator": base.accelerator.model_copy(
+                update={"peak_flops": 2e11, "memory_bandwidth": 10e9}
+            ),
+        }
     )
     model = StepModel(truth, geometry)
     measured = Measurements(
         prefill=[(t, p, model.prefill_s(t, p)) for t, p in ((256, 0), (512, 0), (1024, 512))],
         decode=[(b, c, model.step_s(b, b * (c + 1))) for b, c in ((1, 512), (4, 1024), (8, 256))],
     )
-    fitted = fit_profile(measured, geometry, load_profile("local-cpu"), name="calibrated")
+    fitted = fit_profile(measured, geometry, base, name="calibrated")
     assert fitted.name == "calibrated" and fitted.efficiency.compute == 1.0
     assert fitted.step_overhead_s == pytest.approx(0.004, rel=1e-4)
     assert fitted.sequence_overhead_s == pytest.approx(0.002, rel=1e-4)
+    assert fitted.key_overhead_s == pytest.approx(2e-5, rel=1e-4)
     assert fitted.device().peak_flops == pytest.approx(2e11, rel=1e-4)
     assert fitted.device().memory_bandwidth == pytest.approx(10e9, rel=1e-4)
     with pytest.raises(KvtierError, match="2 prefill and 2 decode"):

@@ -39,13 +39,25 @@ def test_tensor_parallelism_divides_the_work_and_adds_all_reduces():
     assert eight.prefill_s(4096) == pytest.approx(1e-3 + compute_8 + eight.comm_s(4096))
 
 
-def test_decode_runs_sum_the_steps_exactly():
-    model = StepModel(H100, LLAMA_70B, 8)
+@pytest.mark.parametrize("key_overhead_s", [0.0, 2e-8])
+def test_decode_runs_sum_the_steps_exactly(key_overhead_s):
+    profile = H100.model_copy(update={"key_overhead_s": key_overhead_s})
+    model = StepModel(profile, LLAMA_70B, 8)
     for decodes, context in ((1, 100), (64, 64 * 8000), (256, 256 * 500)):
         steps = [model.step_s(decodes, context + i * decodes) for i in range(200)]
         total, last = model.decode_run_s(decodes, context, 200)
         assert total == pytest.approx(sum(steps), rel=1e-9)
         assert last == pytest.approx(steps[-1], rel=1e-9)
+
+
+def test_the_per_key_overhead_charges_every_key_attended_to():
+    cpu = load_profile("local-cpu", calibrated=False)
+    smollm = load_geometry("smollm2-135m")
+    model = StepModel(cpu, smollm)
+    without = StepModel(cpu.model_copy(update={"key_overhead_s": 0.0}), smollm)
+    # 8 decodes over 8,000 keys and a 100-token chunk after 400 cached: 8,500 keys
+    work = (8, 8000, ((100, 400),))
+    assert model.step_s(*work) - without.step_s(*work) == pytest.approx(8500 * cpu.key_overhead_s)
 
 
 def test_decode_steps_within_ends_at_the_first_boundary_after_an_event():

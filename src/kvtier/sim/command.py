@@ -9,7 +9,10 @@ Examples:
   kvtier simulate --workload default --workload-set sessions=10000 --workload-set mean_turns=10
   kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 --hardware h100-sxm,l40s \\
       --device-kv-bytes 40GB --host-bytes 256GB
-  kvtier simulate --validate --against out/bench/results.json   # per policy relative errors
+  kvtier simulate --workload demo --hardware local-cpu --model smollm2-135m --gpus 1 \\
+      --device-kv-bytes 64MiB --host-bytes 1GiB --max-num-seqs 8 --max-batched-tokens 512 \\
+      --policies retain,recompute,offload,cost,oracle --timer-after-steps \\
+      --lengths-from out/bench/results.json --against out/bench/results.json  # validate
 """
 
 from __future__ import annotations
@@ -100,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument(
         "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
     )
+    hw.add_argument(
+        "--timer-after-steps",
+        action="store_true",
+        help="run the policy timer only after engine steps, as kvtier's engine does (validation)",
+    )
     sw = parser.add_argument_group("sweep")
     sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
     sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
@@ -111,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--validate", action="store_true", help="compare with a real run (needs --against)"
     )
     out.add_argument("--against", metavar="PATH", help="results.json of a `kvtier bench` run")
+    out.add_argument(
+        "--lengths-from",
+        metavar="PATH",
+        help="replay the prompt/output lengths a bench run recorded (its results.json)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,10 +135,15 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.simulator import simulate
 
     requests = _requests(args)
+    histories = None
+    if args.lengths_from:
+        from kvtier.sim.validation import measured_lengths
+
+        histories = {rid: h for rid, (_, _, h) in measured_lengths(args.lengths_from).items()}
     deployment = _deployment(args, args.hardware)
     runs = []
     for name in _names(args.policies):
-        result = simulate(requests, deployment, _policy_config(args, name))
+        result = simulate(requests, deployment, _policy_config(args, name), histories)
         runs.append(result.run)
         print(
             f"{name}: {len(requests):,} requests, {result.events:,} events and "
@@ -136,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     config = {
         "workload": args.workload,
         "workload_set": args.workload_set,
+        "lengths_from": args.lengths_from,
         "seed": args.seed,
         "requests": len(requests),
         "policy_set": args.policy_set,
@@ -174,6 +193,13 @@ def _requests(args: argparse.Namespace) -> list[Request]:
     )
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
+    if args.lengths_from:
+        from kvtier.sim.validation import measured_lengths, with_lengths
+
+        lengths = measured_lengths(args.lengths_from)
+        requests = with_lengths(requests, lengths)
+        found = sum(1 for r in requests if r.request_id in lengths)
+        print(f"lengths of {found} of {len(requests)} requests from {args.lengths_from}")
     return requests
 
 
@@ -181,9 +207,12 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
     from kvtier.plan.geometry import load_geometry
     from kvtier.plan.units import parse_size
     from kvtier.sim.deployment import Deployment
-    from kvtier.sim.profile import load_profile
+    from kvtier.sim.profile import load_profile, profile_origin
 
     profile = load_profile(hardware)
+    origin = profile_origin(hardware)
+    if origin != "bundled":
+        print(f"hardware {hardware}: {origin}")
     links = {}
     for setting in args.link:
         tier, sep, key = setting.partition("=")
@@ -207,6 +236,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         resume_after_s=args.resume_after,
+        timer_after_steps=args.timer_after_steps,
     )
 
 
@@ -247,16 +277,14 @@ def _sweep(args: argparse.Namespace) -> int:
 def _validate(document: dict[str, Any], against: str, out: Path) -> Path:
     from kvtier.results.compare import compare
     from kvtier.results.report import read_results
+    from kvtier.sim.validation import judge, report_lines, setup_mismatches
 
-    result = compare(document, read_results(against))
-    for policy, rows in result["policies"].items():
-        print(f"{policy}: simulated vs measured")
-        for field, row in rows.items():
-            error = row["relative_error"]
-            shown = "n/a" if error is None else f"{error:+.1%}"
-            print(f"  {field:28s} {row['simulated']!s:>14} {row['measured']!s:>14} {shown:>8}")
-    if not result["policies"]:
-        print(f"no policy in common with {against}")
+    measured = read_results(against)
+    for problem in setup_mismatches(document["config"], measured.get("config") or {}):
+        print(f"warning: not set up like {against}: {problem}")
+    result = judge(compare(document, measured))
+    for line in report_lines(result):
+        print(line)
     path = out / "validation.json"
     path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return path

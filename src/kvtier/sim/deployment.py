@@ -39,6 +39,10 @@ class Deployment:
     # this share of the pool, so that it is not back at the very next admission (each call
     # looks at every stored chunk).
     pressure_headroom: float = 0.05
+    # kvtier's engine calls its policy runner after each step, so an idle engine runs no
+    # policy; True mirrors that (a tick that finds the replica idle waits for its next step),
+    # False runs the policy on its timer whatever the replica does.
+    timer_after_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -119,4 +123,5 @@ class Deployment:
             "max_batched_tokens": self.max_batched_tokens,
             "resume_after_s": self.resume_after_s,
             "pressure_headroom": self.pressure_headroom,
+            "timer_after_steps": self.timer_after_steps,
         }

@@ -1,14 +1,17 @@
-"""Fit a hardware profile to measured engine steps: what `kvtier calibrate` will call.
+"""Fit a hardware profile to measured engine steps: what `kvtier calibrate` calls.
 
-The step model says a step of S sequences takes `overhead + per_seq x S + max(FLOPs / R_c,
-bytes / R_m)` on one device (`step_model.py`), so four numbers describe a machine: the per-step
-and per-sequence overheads, the compute rate R_c and the memory rate R_m that real steps reach.
-Given timed prefill steps (tokens, context position, seconds) and decode steps (batch, context
-per sequence, seconds) of a known model, the fit alternates two moves until they agree: put
-each step on the side of the roofline the current estimate says binds it (prefill starts on
-compute, decode on memory), then solve `seconds = overhead + per_seq x S + FLOPs / R_c`
-(compute-bound steps) and `... + bytes / R_m` (memory-bound ones) together by non-negative
-least squares.
+The step model says a step of S sequences attending to K keys in all takes `overhead +
+per_seq x S + per_key x K + max(FLOPs / R_c, bytes / R_m)` on one device (`step_model.py`), so
+five numbers describe a machine: the per-step, per-sequence and per-key overheads, and the
+compute rate R_c and memory rate R_m that real steps reach. Given timed prefill steps (tokens,
+context position, seconds) and decode steps (batch, context per sequence, seconds) of a known
+model, the fit alternates two moves until they agree: put each step on the side of the
+roofline the current estimate says binds it, then solve `seconds = overhead + per_seq x S +
+per_key x K + FLOPs / R_c` (compute-bound steps) and `... + bytes / R_m` (memory-bound ones)
+together by non-negative least squares on relative errors (a 60 ms decode step counts as much
+as a 2 s prefill). The alternation can settle in a poor split, so it starts from three (prefill
+on compute and decode on memory, everything on compute, everything on memory) and keeps the
+fit with the smallest relative error under the model's own max.
 
 The result is a profile whose accelerator numbers *are* the effective rates (efficiencies 1),
 with the base profile's memory size, interconnect and links.
@@ -50,32 +53,33 @@ def fit_profile(
             f"{len(measurements.prefill)} and {len(measurements.decode)}"
         )
     model = StepModel(base, geometry)
-    rows = []  # sequences, FLOPs, bytes, seconds
+    rows = []  # sequences, keys, FLOPs, bytes, seconds
     for tokens, position, seconds in measurements.prefill:
         chunk = ((tokens, position),)
-        rows.append((1, model.flops(0, 0, chunk), model.memory_bytes(0, 0, chunk), seconds))
+        rows.append(
+            (
+                1,
+                position + tokens,
+                model.flops(0, 0, chunk),
+                model.memory_bytes(0, 0, chunk),
+                seconds,
+            )
+        )
     for batch, context, seconds in measurements.decode:
         keys = batch * (context + 1)  # each sequence attends to its context and the new token
-        rows.append((batch, model.flops(batch, keys), model.memory_bytes(batch, keys), seconds))
-    sequences, flops, nbytes, seconds = np.array(rows, dtype=float).T
+        rows.append(
+            (batch, keys, model.flops(batch, keys), model.memory_bytes(batch, keys), seconds)
+        )
+    table = np.array(rows, dtype=float)
+    seconds = table[:, 4]
     if (seconds <= 0).any() or not np.isfinite(seconds).all():
         raise KvtierError("measured step times must be finite and above zero")
-    compute_bound = np.arange(len(rows)) < len(measurements.prefill)
     device = base.device()
-    per_flop, per_byte = 1 / device.peak_flops, 1 / device.memory_bandwidth
-    overhead = per_sequence = 0.0
-    for _ in range(MAX_ROUNDS):
-        features = np.column_stack(
-            [np.ones(len(rows)), sequences, flops * compute_bound, nbytes * ~compute_bound]
-        )
-        overhead, per_sequence, fitted_flop, fitted_byte = _nonnegative_lstsq(features, seconds)
-        # a side no step is bound by keeps the base profile's rate: the data cannot see it
-        per_flop = fitted_flop if compute_bound.any() and fitted_flop > 0 else per_flop
-        per_byte = fitted_byte if (~compute_bound).any() and fitted_byte > 0 else per_byte
-        bound = flops * per_flop >= nbytes * per_byte
-        if (bound == compute_bound).all():
-            break
-        compute_bound = bound
+    defaults = (1 / device.peak_flops, 1 / device.memory_bandwidth)
+    prefill = np.arange(len(rows)) < len(measurements.prefill)
+    starts = (prefill, np.ones(len(rows), dtype=bool), np.zeros(len(rows), dtype=bool))
+    fits = [_alternate(table, start, defaults) for start in starts]
+    overhead, per_sequence, per_key, per_flop, per_byte = min(fits, key=lambda f: _error(table, f))
     return HardwareProfile(
         name=name or f"{base.name}-fitted",
         description=(
@@ -92,6 +96,45 @@ def fit_profile(
         efficiency=Efficiency(compute=1.0, memory=1.0),
         step_overhead_s=overhead,
         sequence_overhead_s=per_sequence,
+        key_overhead_s=per_key,
         interconnect=base.interconnect,
         links=base.links,
     )
+
+
+Fit = tuple[float, float, float, float, float]  # overhead, per sequence, per key, s/FLOP, s/B
+
+
+def _alternate(table: np.ndarray, compute_bound: np.ndarray, defaults: tuple[float, float]) -> Fit:
+    sequences, keys, flops, nbytes, seconds = table.T
+    per_flop, per_byte = defaults
+    weight = 1 / seconds  # least squares on relative errors
+    fit: Fit = (0.0, 0.0, 0.0, per_flop, per_byte)
+    for _ in range(MAX_ROUNDS):
+        features = np.column_stack(
+            [np.ones(len(table)), sequences, keys, flops * compute_bound, nbytes * ~compute_bound]
+        )
+        solved = _nonnegative_lstsq(features * weight[:, None], seconds * weight)
+        overhead, per_sequence, per_key, fitted_flop, fitted_byte = solved
+        # a side no step is bound by keeps the base profile's rate: the data cannot see it
+        per_flop = fitted_flop if compute_bound.any() and fitted_flop > 0 else per_flop
+        per_byte = fitted_byte if (~compute_bound).any() and fitted_byte > 0 else per_byte
+        fit = (overhead, per_sequence, per_key, per_flop, per_byte)
+        bound = flops * per_flop >= nbytes * per_byte
+        if (bound == compute_bound).all():
+            break
+        compute_bound = bound
+    return fit
+
+
+def _error(table: np.ndarray, fit: Fit) -> float:
+    """Sum of squared relative errors of the step model (with its max) under `fit`."""
+    sequences, keys, flops, nbytes, seconds = table.T
+    overhead, per_sequence, per_key, per_flop, per_byte = fit
+    predicted = (
+        overhead
+        + per_sequence * sequences
+        + per_key * keys
+        + np.maximum(flops * per_flop, nbytes * per_byte)
+    )
+    return float((((predicted - seconds) / seconds) ** 2).sum())

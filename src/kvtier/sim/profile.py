@@ -8,6 +8,9 @@ with the same fields works. Facts kvtier already holds are referenced, not copie
 memory), and `[links.disk] link = "nvme5"` names one of its links (read bandwidth), completed by
 `data/hardware/links.toml` (latency, write bandwidth, duplex). A profile can give any of these
 numbers itself instead, which is what a measured profile does.
+
+A name is looked up in this order: an existing file of that path; a calibrated profile
+`$KVTIER_CACHE/profiles/<name>.toml` (what `kvtier calibrate` writes); the bundled file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import KvtierError
+from kvtier.paths import cache_dir
 from kvtier.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS, Accelerator
 from kvtier.policy.cost_model import TierLink
 
@@ -33,6 +37,7 @@ LowerTier = Literal["host", "disk", "remote"]
 
 _LINK_BANDWIDTH = {link.key: link.bandwidth for link in LINKS}
 _LINKS_FILE = "links.toml"
+CALIBRATED_FOLDER = "profiles"  # under $KVTIER_CACHE
 
 
 class _Strict(BaseModel):
@@ -104,6 +109,9 @@ class HardwareProfile(_Strict):
     efficiency: Efficiency = Field(default_factory=Efficiency)
     step_overhead_s: NonNegativeFloat = 0.0  # per step, outside the GPU's work
     sequence_overhead_s: NonNegativeFloat = 0.0  # per sequence in a step (bookkeeping, sampling)
+    # per key a query attends to, outside the roofline: gathering paged KV and masks (a CPU
+    # engine pays it; fused GPU kernels fold it into the memory term, so 0 there)
+    key_overhead_s: NonNegativeFloat = 0.0
     interconnect: Interconnect | None = None  # None: one GPU per replica only
     links: dict[LowerTier, LinkSpec] = Field(default_factory=dict)
 
@@ -146,19 +154,42 @@ def bundled_profiles() -> list[str]:
     )
 
 
-def load_profile(name_or_path: str) -> HardwareProfile:
-    """A bundled profile by name, or a .toml / .json file holding one."""
+def calibrated_path(name: str) -> Path:
+    """Where `kvtier calibrate` puts the profile called `name`, and where lookup finds it."""
+    return cache_dir() / CALIBRATED_FOLDER / f"{name}.toml"
+
+
+def profile_origin(name_or_path: str, *, calibrated: bool = True) -> str:
+    """Which file `load_profile` takes for this name: "file PATH", "calibrated PATH" or
+    "bundled" (a name that is none of them raises as load_profile does)."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        return validate_profile(_read(path, str(path)), str(path))
+        return f"file {path}"
+    if calibrated and _plain_name(name_or_path) and calibrated_path(name_or_path).is_file():
+        return f"calibrated {calibrated_path(name_or_path)}"
     if name_or_path not in bundled_profiles():
         raise KvtierError(
-            f"unknown hardware profile {name_or_path!r}: not a bundled name or an existing file; "
+            f"unknown hardware profile {name_or_path!r}: not a bundled name, a calibrated "
+            f"profile in {cache_dir() / CALIBRATED_FOLDER} or an existing file; "
             f"bundled: {', '.join(bundled_profiles())}"
         )
+    return "bundled"
+
+
+def load_profile(name_or_path: str, *, calibrated: bool = True) -> HardwareProfile:
+    """A .toml / .json file holding a profile, else the calibrated profile of that name
+    (unless `calibrated=False`), else the bundled one."""
+    origin = profile_origin(name_or_path, calibrated=calibrated)
+    if origin != "bundled":
+        path = Path(origin.split(" ", 1)[1])
+        return validate_profile(_read(path, str(path)), str(path))
     resource = resources.files("kvtier") / "data" / "hardware" / f"{name_or_path}.toml"
     with resources.as_file(resource) as file:
         return validate_profile(_read(file, file.name), f"bundled profile {name_or_path}")
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and Path(name).name == name and not name.startswith(".")
 
 
 def validate_profile(data: dict[str, Any], source: str) -> HardwareProfile:

@@ -34,7 +34,7 @@ import itertools
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -139,10 +139,12 @@ class Replica:
         cost_model: CostModel,
         on_done: Callable[[RequestRecord], None],
         track_s: float,
+        histories: Mapping[str, int] | None = None,
     ) -> None:
         self.loop, self.deployment, self.model = loop, deployment, model
         self.policy, self.cost_model, self.on_done = policy, cost_model, on_done
         self.track_s = track_s  # idle sessions without KV stay in views this long
+        self.histories = histories or {}  # request id -> measured history tokens (a cap)
         tiers = [SizeOnlyTier(name, size) for name, size in deployment.tiers.items()]
         self.store = (
             TieredStore(
@@ -175,6 +177,7 @@ class Replica:
         self.decode_count = 0  # decode steps so far
         self.decode_context = 0  # keys the running decodes attend to at the next step
         self.busy = False
+        self._timer_due = False  # a timer tick came while idle: run it after the next step
         self.in_flight = 0  # transfers running
         self.steps = 0
         self.itl_us: Counter[int] = Counter()  # gap (microseconds) -> count
@@ -222,6 +225,7 @@ class Replica:
         for index in range(keep, len(session.tiers)):
             self._drop_chunk(session, index)
         session.truncate(keep)
+        self._trim_last_chunk(session, r.valid)
         session.tokens = r.valid
         session.turns.append(TurnView(now, r.prompt - r.valid + r.output))
         session.hash_ids, session.block_tokens = request.hash_ids, request.block_tokens
@@ -267,8 +271,10 @@ class Replica:
 
     def _valid_tokens(self, session: SimSession, request: Request) -> int:
         """How much of the session's KV the new prompt still starts with: all of it when the
-        prompt extends the previous one, else the whole chunks of the common prefix (a history
-        budget dropped old turns). Never the last prompt token: a step must compute one."""
+        prompt extends the previous one, else the common prefix (a history budget dropped old
+        turns), at most the measured history where one is given; cut at a whole block, or at
+        a chunk's start if that chunk is not on the device. Never the last prompt token: a
+        step must compute one."""
         if not session.tokens:
             return 0
         old, new = session.hash_ids, request.hash_ids
@@ -280,9 +286,33 @@ class Replica:
             while low < high:
                 middle = (low + high + 1) // 2
                 low, high = (middle, high) if old[:middle] == new[:middle] else (low, middle - 1)
-            chunk = self.deployment.chunk_tokens
-            valid = int(low * request.block_tokens) // chunk * chunk
+            valid = int(low * request.block_tokens)
+        measured = self.histories.get(request.request_id)
+        if measured is not None and measured < valid:
+            valid = measured
+        if valid < session.tokens:
+            # The device's prefix cache reuses whole blocks; a lower tier holds whole chunks
+            # (its key names all of a chunk's blocks), so a prefix ending in a stored chunk
+            # stops at that chunk's start.
+            chunk, block = self.deployment.chunk_tokens, self.deployment.block_tokens
+            valid = valid // block * block
+            index = valid // chunk
+            if index < len(session.tiers) and session.tiers[index] != "device":
+                valid = index * chunk
         return min(valid, request.prompt_tokens - 1)
+
+    def _trim_last_chunk(self, session: SimSession, valid: int) -> None:
+        """A device chunk the new prompt reuses only part of keeps that part's pages; the
+        rest is freed (its blocks hold the old turn's tail, which the prompt does not)."""
+        index = len(session.tiers) - 1
+        if index < 0 or session.tiers[index] != "device":
+            return
+        size = self.deployment.kv_bytes(valid - index * self.deployment.chunk_tokens)
+        if size < session.sizes[index]:
+            self.used -= session.sizes[index] - size
+            self.epoch += 1
+            session.sizes[index] = size
+            session.changed()
 
     def _plan(self, r: SimRequest) -> tuple[set[int], Sequence[int]]:
         """(chunks to recompute, chunks to load in issue order): the restore planner's split
@@ -516,6 +546,8 @@ class Replica:
             _, _, r = heapq.heappop(self.decoding)
             self.decode_context -= r.join_context + self.decode_count - r.join_count
             self._finish(r)
+        if self._timer_due:
+            self.tick()  # runs the policy: the replica is still busy at this step's end
         self._step()
 
     def _first_token(self, r: SimRequest) -> None:
@@ -566,7 +598,13 @@ class Replica:
     # -- the retention policy ----------------------------------------------------------
 
     def tick(self) -> None:
-        """The policy's timer: decide on the idle KV, then forget long-gone sessions."""
+        """The policy's timer: decide on the idle KV, then forget long-gone sessions. With
+        `timer_after_steps` (as kvtier's engine, whose policy runner is called after each
+        step), a tick that finds the replica idle waits for the end of its next step."""
+        if self.deployment.timer_after_steps and not self.busy:
+            self._timer_due = True
+            return
+        self._timer_due = False
         self._decide("timer", 0)
         now = self.loop.now
         for session_id, s in list(self.tracked.items()):

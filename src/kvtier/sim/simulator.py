@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.bench.replay import next_arrivals
@@ -50,10 +50,15 @@ class SimResult:
 
 
 def simulate(
-    requests: Sequence[Request], deployment: Deployment, config: PolicyConfig
+    requests: Sequence[Request],
+    deployment: Deployment,
+    config: PolicyConfig,
+    histories: Mapping[str, int] | None = None,
 ) -> SimResult:
     """Simulate `requests` (time-ordered, e.g. `workload.flatten(...)`) under the policy
-    `config` names; "oracle" is told the future arrivals of each conversation."""
+    `config` names; "oracle" is told the future arrivals of each conversation. `histories`
+    (request id -> tokens) caps how much of a turn's prompt its session's KV covers, where a
+    real run measured it (`kvtier simulate --lengths-from`)."""
     started = time.perf_counter()
     loop = EventLoop()
     model = StepModel(deployment.profile, deployment.geometry, deployment.tp)
@@ -93,6 +98,7 @@ def simulate(
             cost_model,
             done,
             track_s,
+            histories or {},
         )
         for _ in range(deployment.replicas)
     ]

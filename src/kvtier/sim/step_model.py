@@ -5,7 +5,7 @@ chunks (`t_j` tokens starting at position `p_j`) on one tensor-parallel group of
 
     FLOPs  = f_tok x (B + sum t_j) + f_pair x (C - B/2 + sum t_j (2 p_j + t_j) / 2)
     bytes  = W + kv x (C + sum p_j) + win x (B + #chunks with p_j > 0) + kv x (B + sum t_j)
-    step_s = overhead + per_seq x (B + #chunks)
+    step_s = overhead + per_seq x (B + #chunks) + per_key x (C + sum (p_j + t_j))
              + max(FLOPs / (tp x peak x e_c), bytes / (tp x hbm x e_m)) + comm
     comm   = 2 x layers x (lat_ic + 2 (tp - 1) / tp x (B + sum t_j) x hidden x 2 B / bw_ic)
 
@@ -16,6 +16,9 @@ chunks (`t_j` tokens starting at position `p_j`) on one tensor-parallel group of
 - `W`: the weights (bf16), read once per step by everyone in the batch; `kv`: KV bytes per
   token of the global layers, read for every key a query attends to and written for every new
   token; `win`: a sliding-window layer stack's full window per sequence.
+- `per_key`: time per key a query gathers outside the roofline (a decode's whole context, a
+  chunk's keys up to its end); the CPU engine gathers paged KV into contiguous tensors before
+  attention, at well under memory speed and not overlapped with the GEMMs. 0 on GPU profiles.
 - Each term has its efficiency (`e_c` of peak FLOP/s, `e_m` of HBM bandwidth): prefill is
   compute-bound, decode memory-bound, and the max picks whichever binds.
 - Tensor parallelism divides FLOPs and bytes by `tp` and adds two ring all-reduces of the
@@ -26,7 +29,8 @@ Transfers between a tier and the device take `latency + bytes / bandwidth` per c
 
 `cost_profile()` hands the policies and the restore planner the same prefill coefficients:
 a = overhead + per_seq + all-reduce latencies, b = f_tok / compute rate + all-reduce bytes
-per token, c = f_pair / compute rate (the compute-bound line; short prefills are slower here).
+per token + per_key, c = f_pair / compute rate (the compute-bound line; short prefills are
+slower here).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class StepModel:
             self.comm_fixed_s = self.comm_per_token_s = 0.0
         self.overhead_s = profile.step_overhead_s
         self.sequence_s = profile.sequence_overhead_s
+        self.key_s = profile.key_overhead_s
         self.paths: dict[str, TierPath] = profile.tier_paths()
         self._lines: dict[int, tuple[float, float, float, float, float]] = {}
 
@@ -107,9 +112,11 @@ class StepModel:
         memory = self.memory_bytes(decodes, decode_context, chunks) / self.memory_rate
         tokens = decodes + sum(t for t, _ in chunks)
         sequences = decodes + len(chunks)
+        keys = decode_context + sum(t + p for t, p in chunks)
         return (
             self.overhead_s
             + self.sequence_s * sequences
+            + self.key_s * keys
             + max(compute, memory)
             + self.comm_s(tokens)
         )
@@ -150,7 +157,8 @@ class StepModel:
 
     def _decode_lines(self, decodes: int) -> tuple[float, float, float, float, float]:
         """A decode-only step of `decodes` sequences over x keys takes
-        fixed + max(a1 + b1 x, a2 + b2 x) (compute, memory); cached per batch size."""
+        fixed + max(a1 + b1 x, a2 + b2 x) (compute, memory; the per-key time, outside the
+        max, is added to both slopes); cached per batch size."""
         lines = self._lines.get(decodes)
         if lines is None:
             c0 = self.flops(decodes, 0) / self.compute_rate
@@ -158,9 +166,9 @@ class StepModel:
             lines = self._lines[decodes] = (
                 self.overhead_s + self.sequence_s * decodes + self.comm_s(decodes),
                 c0,
-                self.flops(decodes, 1) / self.compute_rate - c0,
+                self.flops(decodes, 1) / self.compute_rate - c0 + self.key_s,
                 m0,
-                self.memory_bytes(decodes, 1) / self.memory_rate - m0,
+                self.memory_bytes(decodes, 1) / self.memory_rate - m0 + self.key_s,
             )
         return lines
 
@@ -174,7 +182,9 @@ class StepModel:
         """Prefill and link costs for the policies and the restore planner, from this model."""
         return CostProfile(
             prefill_fixed_s=self.overhead_s + self.sequence_s + self.comm_fixed_s,
-            prefill_token_s=self.flops_per_token / self.compute_rate + self.comm_per_token_s,
+            prefill_token_s=(
+                self.flops_per_token / self.compute_rate + self.comm_per_token_s + self.key_s
+            ),
             prefill_pair_s=self.flops_per_pair / self.compute_rate,
             links={tier: path.read for tier, path in self.paths.items()},
         )
