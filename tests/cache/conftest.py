@@ -45,8 +45,9 @@ def clock() -> FakeClock:
 @pytest.fixture(scope="session")
 def _engine(clock: FakeClock) -> Engine:
     # 16 MiB of fp32 SmolLM2 KV: 22 blocks of 16 tokens, so a 250-token prompt evicts others.
+    # One torch thread: on a shared 2-core machine a second one stalls on the other's load.
     engine = Engine(
-        EngineConfig(dtype="float32", kv_cache_bytes=16 * MIB, num_threads=2), clock=clock
+        EngineConfig(dtype="float32", kv_cache_bytes=16 * MIB, num_threads=1), clock=clock
     )
     yield engine
     attach_connector(engine, None)

@@ -56,6 +56,7 @@ def test_offload_policy_moves_idle_session_to_host(engine, expected, clock):
     clock.advance(connector.runner.interval_s + 1)
     engine.step()
     assert connector.runner.decisions["move"] >= 1
+    assert connector.flush(timeout=30)  # the move's write ran on the mover's worker
     tiers = session_tiers(connector)
     assert "host" in tiers, tiers
     assert connector.store.snapshot()["tiers"]["host"]["chunks"] >= 1

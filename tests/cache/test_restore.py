@@ -33,6 +33,7 @@ def test_resumed_session_restored_from_tier(engine, expected, kind, tmp_path, re
     connector = attach_connector(engine, tiers_for(kind, tmp_path, redis_url), "offload")
     first = run_first_and_flood(engine, turns)
     assert first == first_ref
+    assert connector.flush(timeout=30)  # the spills ran on the mover's worker
     assert connector.counters["spilled_chunks"] > 0
     second, out = run_second(engine, turns, first)
     sources = out.metrics.prompt_token_sources
@@ -50,6 +51,7 @@ def test_corrupt_disk_block_is_recomputed(engine, expected, tmp_path):
     _first_ref, second_ref = expected
     connector = attach_connector(engine, tiers_for("disk", tmp_path), "offload")
     first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
     # flip a byte near the end of every segment: the body of the newest record, which is
     # the first chunk the resumed turn needs (tails are evicted first)
     segments = sorted((tmp_path / "d").glob("*.seg"))
@@ -71,6 +73,7 @@ def test_corrupt_redis_value_is_recomputed(engine, expected, tmp_path, redis_ser
     _first_ref, second_ref = expected
     connector = attach_connector(engine, tiers_for("remote", tmp_path, redis_url), "offload")
     first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
     with redis_server.client() as client:
         keys = client.keys("kvt-test:*")
         assert keys
@@ -90,6 +93,7 @@ def test_redis_stopped_mid_run(engine, expected, tmp_path, own_redis):
     _first_ref, second_ref = expected
     connector = attach_connector(engine, tiers_for("remote", tmp_path, own_redis.url), "offload")
     first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
     assert connector.counters["spilled_chunks"] > 0
     own_redis.stop()
     second, out = run_second(engine, turns, first)

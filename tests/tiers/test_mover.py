@@ -199,3 +199,28 @@ def test_concurrent_spills_and_prefetches_serve_only_the_right_bytes(tmp_path) -
     assert host.used_bytes <= host.capacity_bytes and disk.used_bytes <= disk.capacity_bytes
     assert host.stats.errors == disk.stats.errors == 0
     disk.close()
+
+
+def test_demotes_and_deletes_queue_behind_spills_without_blocking(tmp_path, make_payload, same):
+    host = GatedTier()
+    disk = DiskTier(tmp_path, 1 << 20)
+    store = TieredStore([host, disk])
+    mover = Mover(store, spill_workers=1)
+    payload = make_payload()
+    host.gate.clear()  # the first spill stalls: everything after it waits in the queue
+    start = time.monotonic()
+    spilled = [mover.spill(chunk(i), payload) for i in range(2)]
+    demoted = mover.demote(chunk(0).id, "disk")
+    deleted = mover.delete(chunk(1).id)
+    assert time.monotonic() - start < 0.1
+    assert not any(f.done() for f in (*spilled, demoted, deleted))
+    host.gate.set()
+    assert all(f.result(timeout=5) for f in (*spilled, demoted, deleted))
+    # one worker runs them in queue order: chunk 0 landed, then went down; chunk 1 is gone
+    assert store.locate(chunk(0).id).tier == "disk"
+    assert same(store.promote(chunk(0).id), payload)
+    assert store.locate(chunk(1).id) is None
+    assert mover.counts["demotes"] == mover.counts["deletes"] == 1
+    assert mover.counts["demotes_failed"] == mover.counts["deletes_failed"] == 0
+    mover.close()
+    disk.close()

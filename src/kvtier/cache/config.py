@@ -25,6 +25,11 @@ class TiersConfig:
     config's profile) and recomputes when it says that is faster, "recompute" never loads.
     `spill_on_evict`: demote cached blocks the device pool reuses instead of dropping them;
     None follows the policy (`retain` and `recompute` drop, others cascade).
+    `swap_on_preempt`: a request preempted for lack of blocks has its computed blocks spilled
+    when the pool reuses them (swap-out), and restored at re-admission, instead of recomputed.
+    Spills and writes down the cascade run on background workers: `spill_queue` bounds the
+    chunks staged in host memory waiting for them (a spill that finds it full is dropped and
+    the KV recomputed later); a failed copy is tried `retries` more times, then it is a miss.
     """
 
     host_bytes: int = 1 << 30
@@ -41,6 +46,9 @@ class TiersConfig:
     restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
     prefetch: bool = True  # start loads when a request is queued
     spill_on_evict: bool | None = None
+    swap_on_preempt: bool = True
+    spill_queue: int = 16
+    retries: int = 2
     cost_profile: CostProfile | None = None
 
     def __post_init__(self) -> None:
@@ -50,6 +58,12 @@ class TiersConfig:
                 raise KvtierError(f"tiers.{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
             raise KvtierError(f"tiers.chunk_tokens must be >= 1, got {self.chunk_tokens!r}")
+        for name in ("spill_queue", "retries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise KvtierError(f"tiers.{name} must be an integer >= 0, got {value!r}")
+        if self.spill_queue < 1:
+            raise KvtierError("tiers.spill_queue must be >= 1")
         if self.restore not in ("load", "plan", "recompute"):
             raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
         if not self.restore_deadline_s >= 0:

@@ -4,9 +4,15 @@ In the spirit of vLLM's KV connector, the engine calls it at fixed points:
 
 - `on_block_evicted` (a BlockEventListener): the pool is about to reuse an idle cached block.
   When spilling is on, the block's whole chunk (`chunk_tokens` of one sequence, on the fixed
-  grid from its first block) is copied out as one payload into the top tier, unless the store
-  already has it; the other blocks of the chunk stay on device and later evictions find the
-  chunk stored. With spilling off (`retain`, `recompute`) the block is simply dropped.
+  grid from its first block) is copied out as one payload (one gather into host memory: the
+  only part the engine thread pays) and queued on the mover, whose worker writes it into the
+  top tier (and runs the store's cascade of demotions to make room); the other blocks of the
+  chunk stay on device and later evictions find the chunk stored or in flight. With spilling
+  off (`retain`, `recompute`) the block is simply dropped, unless it belongs to a preempted
+  request (swap-out, `swap_on_preempt`).
+- `on_preempted` (from the scheduler): the preempted request's computed blocks are marked
+  for swap-out, so the pool spills them when it reuses them; re-admission restores them
+  through `extend_prefix` like any resumed prefix.
 - `on_request_added`: the prefix lookup a resumed turn will do, done early; loads of the
   stored chunks after the device hits start in the background (prefetch).
 - `extend_prefix` (from the scheduler's admission): after the device-hit blocks, keep walking
@@ -18,7 +24,8 @@ In the spirit of vLLM's KV connector, the engine calls it at fixed points:
   go onto the request's metrics and the connector's counters.
 - `on_request_finished`: a session's block keys are remembered, chunked, for the policy
   runner and for eviction-time spills.
-- `after_step`: the policy runner's timer and pressure checks.
+- `after_step`: finished background writes are accounted; the policy runner's timer and
+  pressure checks (its moves, demotes and deletes are queued on the mover too).
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from kvtier.cache.policy_runner import PolicyRunner
+from kvtier.cache.writes import BackgroundWrites
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, DiskTier, HostTier, Mover, Payload, RedisTier, Sealer, TieredStore
 from kvtier.tiers.base import TierBackend
@@ -47,6 +55,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCES = ("device", "host", "disk", "remote", "recomputed")
+
+
+class _ChunkOf(NamedTuple):
+    """The chunk a cached block belongs to, and whether it was marked for swap-out."""
+
+    keys: tuple[bytes, ...]
+    namespace: str
+    swap: bool = False
 
 
 class TieredConnector:
@@ -73,14 +89,17 @@ class TieredConnector:
             block_tokens=self.block_size,
             chunk_tokens=tiers_config.chunk_tokens,
         )
-        self.mover = Mover(self.store, retries=0) if tiers_config.prefetch else None
+        self.mover = Mover(
+            self.store, spill_queue=tiers_config.spill_queue, retries=tiers_config.retries
+        )
+        self.writes = BackgroundWrites(self.mover, self.store.order[0])
         self.runner = PolicyRunner(self, config.policy, config.policy_config)
         spill = tiers_config.spill_on_evict
         self.spill_on_evict = (
             spill if spill is not None else self.runner.policy_name not in ("retain", "recompute")
         )
-        # block key -> (the chunk's block keys, namespace) of the latest finished sequence
-        self._chunk_of: dict[bytes, tuple[tuple[bytes, ...], str]] = {}
+        # block key -> its chunk in the latest finished (or preempted) sequence
+        self._chunk_of: dict[bytes, _ChunkOf] = {}
         # keys of blocks restored from a tier and not yet counted at an admission -> tier
         self._restored_from: dict[bytes, str] = {}
         self._prefetches: dict[str, tuple[Prefetch, dict[bytes, int]]] = {}
@@ -124,6 +143,17 @@ class TieredConnector:
         k = self.blocks_per_chunk
         return [tuple(keys[i : i + k]) for i in range(0, len(keys), k)]
 
+    def locate(self, chunk_id: bytes) -> str | None:
+        """The tier a chunk is in, or being written to; None when it is not (or is being
+        deleted)."""
+        staged = self.writes.staged(chunk_id)
+        if staged is not None:
+            return staged[1]
+        if self.writes.deleting(chunk_id):
+            return None
+        placement = self.store.locate(chunk_id)
+        return placement.tier if placement is not None else None
+
     def find_stored_chunk(
         self, keys: list[bytes], chunk_index: int, namespace: str, covering: int
     ) -> Chunk | None:
@@ -136,7 +166,7 @@ class TieredConnector:
         longest = min(k, len(keys) - first)
         for length in range(longest, covering - first, -1):
             chunk = Chunk(tuple(keys[first : first + length]), namespace)
-            if self.store.locate(chunk.id) is not None:
+            if self.locate(chunk.id) is not None:
                 return chunk
         return None
 
@@ -174,18 +204,17 @@ class TieredConnector:
     def on_block_evicted(self, block_id: int, key: bytes) -> None:
         self._restored_from.pop(key, None)
         info = self._chunk_of.pop(key, None)
-        if self._suppress_spill or not self.spill_on_evict:
+        if self._suppress_spill or not (self.spill_on_evict or (info is not None and info.swap)):
             self.counters["evicted_dropped"] += 1
             return
         if info is None:
             self.counters["evicted_unknown"] += 1
             return
-        keys, namespace = info
-        if self.store.locate(Chunk(keys, namespace).id) is not None:
-            return  # already stored (an earlier block of the chunk spilled it)
-        position = keys.index(key)
+        if self.locate(Chunk(info.keys, info.namespace).id) is not None:
+            return  # already stored or in flight (an earlier block of the chunk spilled it)
+        position = info.keys.index(key)
         ids: list[int] = []
-        for chunk_key in keys:
+        for chunk_key in info.keys:
             block = self.block_pool.lookup(chunk_key)
             if block is None:
                 break
@@ -193,16 +222,30 @@ class TieredConnector:
         if len(ids) <= position:
             self.counters["evicted_dropped"] += 1  # a gap before it: unreachable anyway
             return
-        chunk = Chunk(keys[: len(ids)], namespace)
-        if self.store.locate(chunk.id) is not None:
+        chunk = Chunk(info.keys[: len(ids)], info.namespace)
+        if self.locate(chunk.id) is not None:
             return
+        # The gather is the copy out of the device block, so the pool may reuse the block as
+        # soon as this returns; the tier write happens on the mover's worker.
         payload = self.gather(ids)
-        if self.store.put(chunk, payload):
-            self.counters["spilled_chunks"] += 1
-            self.counters["spilled_blocks"] += len(ids)
-            self.counters["spilled_bytes"] += payload.nbytes
-        else:
-            self.counters["spill_failures"] += 1
+        kind = "swapped" if info.swap else "spilled"
+        blocks = len(ids)
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.counters[f"{kind}_chunks"] += 1
+                self.counters[f"{kind}_blocks"] += blocks
+                self.counters[f"{kind}_bytes"] += payload.nbytes
+            else:
+                self.counters["spill_failures"] += 1  # dropped (queue full) or failed
+
+        self.writes.put(chunk, payload, None, done)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every queued background write; False if some are still running after
+        `timeout`. Serving never needs this (reads see writes in flight); tests and
+        benchmarks use it to measure a settled state."""
+        return self.writes.flush(timeout)
 
     def drop_device_blocks(self, keys: tuple[bytes, ...] | list[bytes]) -> int:
         """Evict these keys' idle device blocks without spilling them (a policy decided)."""
@@ -216,13 +259,17 @@ class TieredConnector:
     # ----- requests ------------------------------------------------------------------------
 
     def on_request_added(self, request: Request) -> None:
-        if self.mover is None or self.config.restore == "recompute" or not len(self.store):
-            return
+        if not self.config.prefetch or self.config.restore == "recompute" or not len(self.store):
+            return  # (chunks only staged are read from their bytes at admission)
         start = len(self.engine.kv_manager.find_cached_prefix(request))
-        chunks = self._stored_chain(request, start)
-        if not chunks:
+        # chunks still being written are read from their staged bytes, not prefetched
+        ids = [
+            chunk.id
+            for chunk in self._stored_chain(request, start)
+            if self.writes.staged(chunk.id) is None
+        ]
+        if not ids:
             return
-        ids = [chunk.id for chunk in chunks]
         handle = self.mover.prefetch(ids)
         self._prefetches[request.request_id] = (handle, {cid: i for i, cid in enumerate(ids)})
         self.counters["prefetched_chunks"] += len(ids)
@@ -232,7 +279,7 @@ class TieredConnector:
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         start = len(cached)
-        if start >= max_blocks or self.config.restore == "recompute" or not len(self.store):
+        if start >= max_blocks or self.config.restore == "recompute" or not self._anything_stored():
             return cached
         chunks = self._stored_chain(request, start)
         if not chunks or (
@@ -253,10 +300,9 @@ class TieredConnector:
                 need = end - pos
                 if need <= 0 or need > pool.num_allocatable:
                     break
-                placement = self.store.locate(chunk.id)
-                payload = self._load(request.request_id, chunk, deadline)
+                payload, tier = self._load(request.request_id, chunk, deadline)
                 tensor = self._check(payload, len(chunk.keys))
-                if tensor is None or placement is None:
+                if tensor is None or tier is None:
                     self.counters["restore_failures"] += 1
                     break
                 ids = pool.allocate(need)
@@ -265,10 +311,10 @@ class TieredConnector:
                     with torch.inference_mode():
                         self.kv_pool.kv[block_id].copy_(tensor[j - first])
                     if pool.cache_block(block_id, keys[j]):
-                        self._restored_from[keys[j]] = placement.tier
+                        self._restored_from[keys[j]] = tier
                 self.counters["restored_chunks"] += 1
                 self.counters["restored_blocks"] += need
-                self.counters[f"restored_blocks_{placement.tier}"] += need
+                self.counters[f"restored_blocks_{tier}"] += need
                 pos = end
                 if pos < first + self.blocks_per_chunk:
                     break  # a short chunk ends what is stored on this grid
@@ -280,6 +326,9 @@ class TieredConnector:
             return cached
         return self.engine.kv_manager.find_cached_prefix(request)
 
+    def _anything_stored(self) -> bool:
+        return bool(len(self.store)) or self.writes.staging
+
     def _plan_says_load(self, chunks: list[Chunk], start: int) -> bool:
         from kvtier.policy.restore import plan_restore
         from kvtier.policy.view import ChunkView
@@ -288,15 +337,14 @@ class TieredConnector:
         pos = start
         for chunk in chunks:
             first = (pos // self.blocks_per_chunk) * self.blocks_per_chunk
-            placement = self.store.locate(chunk.id)
             end = first + len(chunk.keys)
             views.append(
                 ChunkView(
                     index=first // self.blocks_per_chunk,
                     token_start=pos * self.block_size,
                     token_end=end * self.block_size,
-                    tier=placement.tier if placement else None,
-                    size_bytes=placement.nbytes if placement else 0,
+                    tier=self.locate(chunk.id),
+                    size_bytes=len(chunk.keys) * self.bytes_per_block,
                 )
             )
             pos = end
@@ -304,16 +352,32 @@ class TieredConnector:
         self.counters[f"restore_plan_{plan.kind}"] += 1
         return plan.kind != "recompute"
 
-    def _load(self, request_id: str, chunk: Chunk, deadline: float) -> Payload | None:
+    def _load(
+        self, request_id: str, chunk: Chunk, deadline: float
+    ) -> tuple[Payload | None, str | None]:
+        """The chunk's payload and the tier it counts as restored from.
+
+        In order: its prefetch (waited for until the deadline), the staged bytes of a write
+        still in flight (no waiting for the tier), a load now (retried `retries` times)."""
         prefetch = self._prefetches.get(request_id)
         if prefetch is not None and chunk.id in prefetch[1]:
             handle, index = prefetch
+            placement = self.store.locate(chunk.id)
             results = handle.result(timeout=max(0.0, deadline - _now()))
             payload = results[index[chunk.id]]
             if payload is None and not handle.done():
                 self.counters["restore_late"] += 1
-            return payload
-        return self.store.promote(chunk.id)
+            if payload is not None:
+                self.counters["restored_chunks_prefetched"] += 1
+            return payload, placement.tier if placement is not None else None
+        staged = self.writes.staged(chunk.id)
+        if staged is not None:
+            self.counters["restored_chunks_staged"] += 1
+            return staged
+        placement = self.store.locate(chunk.id)
+        if placement is None:
+            return None, None
+        return self.store.promote(chunk.id, attempts=1 + self.config.retries), placement.tier
 
     def _check(self, payload: Payload | None, num_blocks: int) -> torch.Tensor | None:
         """The payload as [num_blocks, *block_shape] in the pool's dtype, or None."""
@@ -344,23 +408,38 @@ class TieredConnector:
 
     def on_request_finished(self, request: Request) -> None:
         self._forget_prefetch(request.request_id)
+        keys = self._remember_chunks(request, swap=False)
+        if keys and request.session_id is not None:
+            self.runner.remember_session(
+                request.session_id, tuple(keys), self.namespace_of(request)
+            )
+
+    def on_preempted(self, request: Request) -> None:
+        """Called by the scheduler before it releases a preempted request's blocks: with
+        `swap_on_preempt` they are spilled when the pool reuses them (swap-out), whatever
+        the policy, and come back through `extend_prefix` at re-admission."""
+        if self.config.swap_on_preempt:
+            self._remember_chunks(request, swap=True)
+            self.counters["preempted_requests"] += 1
+
+    def _remember_chunks(self, request: Request, swap: bool) -> list[bytes]:
+        """Map each computed full block's key to its chunk; returns those keys."""
         num_full = request.num_computed_tokens // self.block_size
-        if num_full == 0:
-            return
         keys = request.keys_of_full_blocks(self.block_size)[:num_full]
         namespace = self.namespace_of(request)
         for chunk in self.chunk_keys(keys):
             for key in chunk:
-                self._chunk_of[key] = (chunk, namespace)
-        if request.session_id is not None:
-            self.runner.remember_session(request.session_id, tuple(keys), namespace)
+                self._chunk_of[key] = _ChunkOf(chunk, namespace, swap)
+        return keys
 
     def after_step(self) -> None:
+        self.writes.reap()
         self.runner.after_step()
 
     # ----- reporting -----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        self.writes.reap()
         snapshot = self.store.snapshot()
         tiers = {
             name: {
@@ -391,7 +470,7 @@ class TieredConnector:
             "counters": dict(self.counters),
             "tiers": tiers,
             "moves": moves,
-            "mover": dict(self.mover.counts) if self.mover else {},
+            "mover": {**self.mover.counts, "writes_in_flight": self.writes.in_flight},
         }
 
     def num_restore_errors(self) -> int:
@@ -401,8 +480,7 @@ class TieredConnector:
         if self._closed:
             return
         self._closed = True
-        if self.mover is not None:
-            self.mover.close(drain=False, timeout=1.0)
+        self.mover.close(drain=False, timeout=1.0)
         for tier in self.store.tiers.values():
             try:
                 tier.close()

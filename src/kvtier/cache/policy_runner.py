@@ -6,10 +6,14 @@ snapshot (sessions, their chunks and where each lives, tier budgets, the waiting
 `policy.decide(view, now)` and executes the actions:
 
 - `Move(session, chunk, tier)`: a chunk on the device is copied out as ONE payload (all its
-  blocks) into `tier` and its idle device blocks are freed; a chunk already in a lower tier is
-  demoted by the store. Moves up, or of blocks in use, are skipped (counted).
-- `Drop(session, chunk)`: idle device blocks freed, stored copies deleted.
+  blocks, one gather into host memory) and its idle device blocks are freed; the write into
+  `tier` runs on the mover's worker. A chunk already in a lower tier is demoted by the store,
+  also on the worker. Moves up, or of blocks in use, are skipped (counted).
+- `Drop(session, chunk)`: idle device blocks freed, stored copies deleted (in the background).
 - `Keep`: counted.
+
+The engine thread never waits for a tier here: a write that later fails (or finds the queue
+full) only means the chunk is recomputed when it is needed.
 """
 
 from __future__ import annotations
@@ -128,11 +132,8 @@ class PolicyRunner:
             if on_device:
                 tier, size = "device", on_device * c.bytes_per_block
             else:
-                placement = c.store.locate(Chunk(chunk_keys, namespace).id)
-                if placement is not None:
-                    tier, size = placement.tier, placement.nbytes
-                else:
-                    tier, size = None, len(chunk_keys) * c.bytes_per_block
+                tier = c.locate(Chunk(chunk_keys, namespace).id)
+                size = len(chunk_keys) * c.bytes_per_block
             views.append(ChunkView(index, start, end, tier, size, "full", last_access))
         return tuple(views)
 
@@ -226,13 +227,16 @@ class PolicyRunner:
                 self.skipped["in_use"] += 1
                 return
             chunk = Chunk(keys[: len(run)], namespace)
-            if c.store.locate(chunk.id) is None:
+            where = c.locate(chunk.id)
+            if where is None:
                 payload = c.gather(run)
-                if not c.store.put(chunk, payload, tier=tier):
-                    self.skipped["put_failed"] += 1
-                    return
-                c.counters[f"policy_moved_bytes_device->{tier}"] += payload.nbytes
-            elif c.store.locate(chunk.id).tier != tier:
+
+                def done(ok: bool, nbytes: int = payload.nbytes) -> None:
+                    name = f"policy_moved_bytes_device->{tier}" if ok else "spill_failures"
+                    c.counters[name] += nbytes if ok else 1
+
+                c.writes.put(chunk, payload, tier, done)
+            elif where != tier:
                 self._demote(chunk, tier)
             c.drop_device_blocks([k for k, b in zip(keys, ids, strict=True) if b is not None])
             return
@@ -242,15 +246,21 @@ class PolicyRunner:
 
     def _demote(self, chunk: Chunk, tier: str) -> None:
         c = self.connector
-        placement = c.store.locate(chunk.id)
-        if placement is None:
+        where = c.locate(chunk.id)
+        if where is None:
             self.skipped["not_stored"] += 1
             return
-        if TIER_RANK[tier] <= TIER_RANK[placement.tier]:
+        if TIER_RANK[tier] <= TIER_RANK[where]:
             self.skipped["move_up"] += 1
             return
-        if c.store.demote(chunk.id, to=tier):
-            c.counters[f"policy_moved_bytes_{placement.tier}->{tier}"] += placement.nbytes
+        nbytes = len(chunk.keys) * c.bytes_per_block
+
+        def done(ok: bool) -> None:
+            name = f"policy_moved_bytes_{where}->{tier}" if ok else "demote_failures"
+            c.counters[name] += nbytes if ok else 1
+
+        # Queued behind a put of the same chunk still in flight, so it demotes what landed.
+        c.writes.demote(chunk.id, tier, done)
 
     def _drop(self, keys: tuple[bytes, ...], namespace: str) -> None:
         c = self.connector
@@ -259,6 +269,6 @@ class PolicyRunner:
         # every stored prefix-length variant of this chunk goes too
         for length in range(len(keys), 0, -1):
             chunk_id = Chunk(keys[:length], namespace).id
-            if c.store.locate(chunk_id) is not None:
-                c.store.delete(chunk_id)
+            if c.locate(chunk_id) is not None:
+                c.writes.delete(chunk_id)
                 c.counters["policy_deleted_chunks"] += 1

@@ -9,7 +9,9 @@ Each step the scheduler hands out at most `max_num_batched_tokens` tokens of wor
 When the pool cannot hold a request's next tokens, the most recently admitted request that
 is not yet scheduled this step is preempted, recompute style: its blocks are released (its
 full blocks stay in the prefix cache, so re-admission usually hits them) and it goes back to
-the front of the waiting queue.
+the front of the waiting queue. With a tiered connector the preemption is a swap-out: the
+connector hears of it first and spills the full blocks the pool then reuses, so
+re-admission restores them through the prefix lookup instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         # Optional tiered KV connector (kvtier.cache): extends a prefix lookup with blocks
-        # restored from lower tiers.
+        # restored from lower tiers, and swaps out what preemption releases.
         self.connector = None
 
     @property
@@ -127,6 +129,8 @@ class Scheduler:
         out.finished.append(request)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        if self.connector is not None:
+            self.connector.on_preempted(request)
         self.kv.free(request)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED

@@ -4,6 +4,11 @@
   counted: the KV is recomputed if it is needed again, which is slower but correct. The caller
   must leave the payload's bytes untouched until the returned future is done (e.g. keep the
   device blocks or the staging buffer until then).
+- `demote(chunk_id, to)` and `delete(chunk_id)` go through the same queue and workers: every
+  write down the cascade (a store demotion reads one tier and writes the next, a disk delete
+  appends a tombstone, a Redis delete is a round trip) leaves the caller's thread. With one
+  spill worker (the default) writes run in the order they were queued, so a delete queued
+  after a spill of the same chunk wins.
 - `prefetch(chunk_ids)` returns a `Prefetch` whose `result(timeout)` gives what has arrived by
   the deadline, None for the rest: the caller recomputes those instead of waiting.
 - A failed copy is retried `retries` times; then a prefetch is a miss (and the store forgets
@@ -19,7 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -73,7 +78,7 @@ class Mover:
     ) -> None:
         self.store = store
         self.attempts = 1 + retries
-        self._spills: queue.Queue[_SpillJob | None] = queue.Queue(spill_queue)
+        self._spills: queue.Queue[_WriteJob | None] = queue.Queue(spill_queue)
         self._prefetches: queue.Queue[_PrefetchJob | None] = queue.Queue(prefetch_queue)
         self._lock = threading.Lock()  # orders enqueues against close()
         self._closed = False
@@ -82,6 +87,12 @@ class Mover:
             "spills": 0,
             "spills_dropped": 0,
             "spills_failed": 0,
+            "demotes": 0,
+            "demotes_dropped": 0,
+            "demotes_failed": 0,
+            "deletes": 0,
+            "deletes_dropped": 0,
+            "deletes_failed": 0,
             "prefetches": 0,
             "prefetches_dropped": 0,
             "prefetch_misses": 0,
@@ -98,18 +109,41 @@ class Mover:
 
     def spill(self, chunk: Chunk, payload: Payload, *, tier: str | None = None) -> Future[bool]:
         """Queue a chunk for storing; the future says whether it was stored (never raises)."""
+        store, attempts = self.store, self.attempts
+        return self._write(
+            "spill",
+            chunk.id,
+            lambda: store.put(chunk, payload, tier=tier, attempts=attempts),
+        )
+
+    def demote(self, chunk: bytes, to: str | None = None) -> Future[bool]:
+        """Queue `store.demote(chunk, to)`; the future says whether the chunk moved."""
+        store = self.store
+        return self._write("demote", chunk, lambda: store.demote(chunk, to))
+
+    def delete(self, chunk: bytes) -> Future[bool]:
+        """Queue `store.delete(chunk)`; the future resolves True once it is gone."""
+        store = self.store
+
+        def run() -> bool:
+            store.delete(chunk)
+            return True
+
+        return self._write("delete", chunk, run)
+
+    def _write(self, kind: str, chunk: bytes, run: Callable[[], bool]) -> Future[bool]:
         future: Future[bool] = Future()
         with self._lock:
             queued = not self._closed
             if queued:
                 try:
-                    self._spills.put_nowait(_SpillJob(chunk, payload, tier, future))
+                    self._spills.put_nowait(_WriteJob(kind, chunk, run, future))
                 except queue.Full:
                     queued = False
         if queued:
-            self._count("spills")
+            self._count(f"{kind}s")
         else:
-            self._count("spills_dropped")
+            self._count(f"{kind}s_dropped")
             future.set_running_or_notify_cancel()
             future.set_result(False)
         return future
@@ -160,11 +194,11 @@ class Mover:
                 continue  # the caller cancelled it while it waited
             ok = False
             try:
-                ok = self.store.put(job.chunk, job.payload, tier=job.tier, attempts=self.attempts)
+                ok = job.run()
             except Exception:  # a worker must outlive any one job, and resolve it
-                log.exception("spill of chunk %s failed", job.chunk.id.hex()[:16])
+                log.exception("%s of chunk %s failed", job.kind, job.chunk.hex()[:16])
             if not ok:
-                self._count("spills_failed")
+                self._count(f"{job.kind}s_failed")
             job.future.set_result(ok)
 
     def _run_prefetches(self) -> None:
@@ -185,10 +219,10 @@ class Mover:
 
 
 @dataclass(frozen=True, slots=True)
-class _SpillJob:
-    chunk: Chunk
-    payload: Payload
-    tier: str | None
+class _WriteJob:
+    kind: str  # spill, demote, delete: names its counters
+    chunk: bytes
+    run: Callable[[], bool]
     future: Future[bool]
 
     def cancel(self) -> None:
