@@ -65,3 +65,34 @@ def test_offload_policy_moves_idle_session_to_host(engine, expected, clock):
     assert out.metrics.prompt_token_sources["host"] > 0
     assert second == expected[1]
     assert_no_leak(engine)
+
+
+def test_sessions_the_tracker_forgets_lose_their_stored_kv(engine, clock):
+    """A session idle past the tracker's expiry leaves the policy's view and its KV leaves
+    the tiers, so neither grows for as long as the engine runs."""
+    turns = make_turns(0)
+    config = PolicyConfig(offload=OffloadSection(watermark=0.2))
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "offload", config
+    )
+    first_turn(engine, turns)
+    clock.advance(connector.runner.interval_s + 1)
+    engine.step()  # offload moves the idle session to host
+    assert connector.flush(timeout=30)
+    assert connector.store.snapshot()["tiers"]["host"]["chunks"] >= 1
+    tracker = engine.sessions
+    saved = tracker.forget_after_s
+    try:
+        tracker.forget_after_s = 60.0
+        clock.advance(3600)
+        engine.add_request([1, 2, 3], GREEDY, session_id="other")  # a turn sweeps the tracker
+        drain(engine)
+        assert "s1" not in tracker.sessions
+        connector.runner.run("timer")
+        assert "s1" not in connector.runner.sessions
+        assert connector.runner.decisions["forgotten"] == 1
+        assert connector.flush(timeout=30)
+        assert connector.store.snapshot()["tiers"]["host"]["chunks"] == 0
+    finally:
+        tracker.forget_after_s = saved
+    assert_no_leak(engine)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -141,6 +142,7 @@ class PolicyRunner:
         c = self.connector
         engine = c.engine
         tracker = engine.sessions
+        self._forget_untracked(tracker.sessions)
         sessions = []
         for session_id, turns in tracker.sessions.items():
             if not turns:
@@ -186,6 +188,16 @@ class PolicyRunner:
             reason="pressure" if reason == "pressure" else "timer",
             bytes_needed=bytes_needed,
         )
+
+    def _forget_untracked(self, tracked: Mapping[str, object]) -> None:
+        """Sessions the engine's tracker has forgotten (idle past its expiry) leave the policy's
+        sight, so their KV goes too: otherwise it would sit in the tiers with no one to decide
+        on it, and this map would grow for as long as the server runs."""
+        for session_id in [s for s in self.sessions if s not in tracked]:
+            stored = self.sessions.pop(session_id)
+            for chunk in self.connector.chunk_keys(stored.keys):
+                self._drop(chunk, stored.namespace)
+            self.decisions["forgotten"] += 1
 
     # ----- actions -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ run in trace time.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class SessionTracker:
         self.forget_after_s = forget_after_s
         self.max_turns = max_turns
         self.sessions: dict[str, deque[TurnRecord]] = {}
-        self._next_sweep = 0.0
+        self._last_sweep = -math.inf
         self._turn_count: dict[str, int] = {}
         self._by_request: dict[str, TurnRecord] = {}
 
@@ -94,9 +95,9 @@ class SessionTracker:
     def _forget_idle(self, now: float) -> None:
         # A sweep over all sessions, at most once per tenth of the expiry age: amortised O(1)
         # per turn, and a session is forgotten at most 10% later than asked.
-        if now < self._next_sweep:
+        if now - self._last_sweep < self.forget_after_s / 10:
             return
-        self._next_sweep = now + self.forget_after_s / 10
+        self._last_sweep = now
         for session_id, turns in list(self.sessions.items()):
             last = turns[-1]
             if last.ended_at is not None and now - last.ended_at > self.forget_after_s:
