@@ -71,13 +71,18 @@ def test_client_disconnect_cancels_generation(server, engine):
         lines = resp.iter_lines()
         for _ in range(3):
             next(lines)
+        steps_at_disconnect = engine.num_steps
         # leaving the block closes the connection mid-stream
     wait_idle(engine, timeout=30)
+    # aborted within a few steps, not run on to its 2,000 tokens
+    assert engine.num_steps - steps_at_disconnect < 100
     # non-streaming: a client that gives up (timeout) cancels too
     payload["stream"] = False
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.v1 + "/chat/completions", json=payload, headers=headers, timeout=2)
+    steps_at_disconnect = engine.num_steps
     wait_idle(engine, timeout=30)
+    assert engine.num_steps - steps_at_disconnect < 100
 
 
 def test_concurrency_limit_429_and_drain(engine):

@@ -105,6 +105,14 @@ class BlockPool:
     def lookup(self, key: bytes) -> int | None:
         return self.cached_block_ids.get(key)
 
+    def is_cached(self, block_id: int) -> bool:
+        """The block holds computed KV under a key (in use or idle): a prefix can hit it."""
+        return self.block_keys[block_id] is not None
+
+    def is_idle_cached(self, block_id: int) -> bool:
+        """Cached and held by nobody: the LRU may evict it (a prefix hit takes it back)."""
+        return self.ref_counts[block_id] == 0 and block_id in self.evictable
+
     def set_form(self, block_id: int, form: str) -> None:
         self.forms[block_id] = form
 

@@ -11,6 +11,7 @@ from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
+    from kvtier.compress.config import CompressionConfig
     from kvtier.policy.base import RetentionPolicy
     from kvtier.policy.config import PolicyConfig
 
@@ -51,6 +52,9 @@ class EngineConfig:
     tiers: TiersConfig | None = None
     policy: str | RetentionPolicy = "retain"
     policy_config: PolicyConfig | None = None
+    # KV compression (kvtier.compress): a pipeline of presses applied to each request once
+    # its prompt is prefilled. None (or ratio 0 everywhere) leaves the KV untouched.
+    compression: CompressionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):

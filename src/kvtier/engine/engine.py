@@ -15,13 +15,16 @@ import hashlib
 import json
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvtier.clock import Clock
+from kvtier.compress.compressor import Compressor
+from kvtier.compress.config import CompressionConfig
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig
@@ -88,6 +91,11 @@ class Engine:
         self._subscribers: dict[str, Callable[[RequestOutput], None]] = {}
         self._step_loop: StepLoop | None = None
         self.num_steps = 0
+        self._last_block_owner: str | None = None  # block_owner's first guess
+        # KV slots and bytes each request held right after its prefill (and compression).
+        self._kv_held: dict[str, tuple[int, int]] = {}
+        self.compressor: Compressor | None = None
+        self.set_compression(config.compression)
         self.connector = None
         if config.tiers is not None:
             from kvtier.cache.connector import TieredConnector
@@ -228,6 +236,7 @@ class Engine:
             sched = self.scheduler.schedule()
             for request in sched.preempted:
                 request.prompt_logits.clear()  # recomputed after re-admission
+                self._forget_kv(request.request_id)  # recomputed and compressed again
             for request in sched.admitted:
                 if self.connector is not None:
                     self.connector.on_admitted(request)
@@ -245,6 +254,7 @@ class Engine:
                 for request, n in sched.scheduled:
                     request.num_computed_tokens += n
                     self.kv_manager.register_full_blocks(request)
+                    self._after_forward(request)
                 if result.sampled:
                     next_ids = self.sampler(
                         result.logits,
@@ -257,6 +267,24 @@ class Engine:
             if self.connector is not None:
                 self.connector.after_step()
             return outputs
+
+    def _after_forward(self, request: Request) -> None:
+        """Compress a request whose prompt was just prefilled (or bound its decode cache),
+        then note what its KV holds."""
+        if self.compressor is not None:
+            self.compressor.after_forward(request)
+        rid = request.request_id
+        if rid not in self._kv_held and request.num_computed_tokens == request.num_tokens:
+            num_blocks = len(self.kv_manager.block_table(rid))
+            self._kv_held[rid] = (
+                self.kv_manager.num_slots(request),
+                num_blocks * self.kv_pool.bytes_per_block,
+            )
+
+    def _forget_kv(self, request_id: str) -> tuple[int | None, int | None]:
+        if self.compressor is not None:
+            self.compressor.forget(request_id)
+        return self._kv_held.pop(request_id, (None, None))
 
     def _accept_token(self, request: Request, token_id: int) -> RequestOutput:
         request.append_token(token_id)
@@ -280,8 +308,10 @@ class Engine:
     def _output(self, request: Request, new_ids: list[int], finished: bool) -> RequestOutput:
         detok = self._detokenizers[request.request_id]
         delta = detok.take_delta(finished)
+        kv_tokens_held = kv_bytes_held = None
         if finished:
             del self._detokenizers[request.request_id]
+            kv_tokens_held, kv_bytes_held = self._forget_kv(request.request_id)
             if self.connector is not None:
                 self.connector.on_request_finished(request)
             if request.session_id is not None:
@@ -296,6 +326,8 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             metrics=request.metrics if finished else None,
+            kv_tokens_held=kv_tokens_held,
+            kv_bytes_held=kv_bytes_held,
         )
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -356,6 +388,8 @@ class Engine:
                 last.num_cached_tokens,
                 last.metrics,
                 last.error,
+                last.kv_tokens_held,
+                last.kv_bytes_held,
             )
         return results  # type: ignore[return-value]
 
@@ -449,10 +483,98 @@ class Engine:
                 tiers=None if self.connector is None else self.connector.stats(),
             )
 
+    def set_compression(self, compression: CompressionConfig | None) -> None:
+        """Use this compression pipeline for requests from now on (None: full KV).
+
+        Only between requests: a pipeline changed mid-request would compress it half-way.
+        """
+        with self._lock:
+            if self.scheduler.has_unfinished:
+                raise KvtierError("set_compression: wait until no request is in flight")
+            if self.compressor is not None and self.compressor.recorder is not None:
+                self.remove_attention_observer(self.compressor.recorder)
+            self.compressor = None
+            if compression is not None and not compression.is_identity:
+                self.compressor = Compressor(
+                    compression, self.kv_pool, self.kv_manager, self.model_config.num_heads
+                )
+                if self.compressor.recorder is not None:
+                    self.add_attention_observer(self.compressor.recorder)
+            self.config.compression = compression
+
     def reset_prefix_cache(self) -> int:
         """Drop all idle cached blocks (e.g. to measure a cold start); returns how many."""
         with self._lock:
             return self.block_pool.reset_prefix_cache()
+
+    # ----- cache control (servers, admin tools) ------------------------------------------
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine's state lock: no step, add or abort runs until the block exits.
+
+        Block listeners are called with this lock held, so a listener that keeps its own
+        state (per-tenant accounting, say) reads and changes it consistently inside the
+        block. Re-entrant. Keep the body short: the step loop waits for it.
+        """
+        with self._lock:
+            yield
+
+    def drop_cached(self, block_ids: Iterable[int]) -> int:
+        """Evict these idle cached blocks now (they become free; listeners see
+        `on_block_evicted` first); returns how many were dropped. Blocks in use, pinned, or
+        not cached are left alone, so a stale list is harmless."""
+        with self._lock:
+            return self.block_pool.drop_cached(list(block_ids))
+
+    def pin_blocks(self, block_ids: Iterable[int]) -> list[int]:
+        """Hold a reference on cached blocks so the LRU never evicts them (a pinned session).
+
+        Returns the ids pinned: blocks that are no longer cached are skipped. Each pinned id
+        must be given back once with `unpin_blocks`.
+        """
+        with self._lock:
+            pinned = [b for b in block_ids if self.block_pool.is_cached(b)]
+            self.block_pool.touch(pinned)
+            return pinned
+
+    def unpin_blocks(self, block_ids: Sequence[int]) -> None:
+        """Give back references taken by `pin_blocks` (in the order pinned); blocks nobody
+        else holds become idle cached blocks again, evictable by the LRU."""
+        with self._lock:
+            if any(self.block_pool.ref_counts[b] < 1 for b in block_ids):
+                raise KvtierError("unpin_blocks: a block is not pinned (was it unpinned twice?)")
+            # tail first, as requests release: the head (shared prefix) is evicted last
+            self.block_pool.release(list(block_ids)[::-1])
+
+    def block_owner(self, block_id: int) -> BlockOwner | None:
+        """The in-flight request that holds `block_id` among the blocks its latest steps
+        computed, or None (e.g. a block restored from a tier, or no request holds it).
+
+        Meant for `BlockEventListener.on_block_filled`: a block is filled by the one request
+        it was allocated to, so this names who filled it (tenant, session).
+        """
+        with self._lock:
+            # One step computes at most max_num_batched_tokens of a request, so a block it
+            # just filled lies in that window of its table: O(window) per running request.
+            window = self.config.max_num_batched_tokens // self.config.block_size + 1
+            hint = self.scheduler.requests.get(self._last_block_owner or "")
+            for request in (*([hint] if hint else []), *self.scheduler.requests.values()):
+                table = self.kv_manager.block_table(request.request_id)
+                num_full = request.num_computed_tokens // self.config.block_size
+                if block_id in table[max(0, num_full - window) : num_full]:
+                    self._last_block_owner = request.request_id
+                    return BlockOwner(request.request_id, request.tenant, request.session_id)
+            return None
+
+
+@dataclass(frozen=True)
+class BlockOwner:
+    """Who holds a block: the request, and the tenant and session it was sent with."""
+
+    request_id: str
+    tenant: str | None
+    session_id: str | None
 
 
 def _to_params(params: Params) -> SamplingParams:

@@ -19,12 +19,24 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_registered: dict[str, int] = {}
+        # Requests whose KV was compressed: token positions minus the KV slots they hold
+        # (evicted tokens). Their blocks hold a subset of the prefix, so none is registered.
+        self.num_evicted: dict[str, int] = {}
         # Prefix-cache counters, in tokens (what an operator graphs as hit rate).
         self.prefix_queries = 0
         self.prefix_hits = 0
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def num_slots(self, request: Request) -> int:
+        """KV slots the request's computed tokens occupy (fewer than tokens once compressed)."""
+        return request.num_computed_tokens - self.num_evicted.get(request.request_id, 0)
+
+    def slot_of(self, request: Request, position: int) -> int:
+        """Where the token at `position` goes: positions stay logical (RoPE), slots are
+        compacted after evictions."""
+        return position - self.num_evicted.get(request.request_id, 0)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks of the request's longest cached prefix (full blocks only).
@@ -51,7 +63,7 @@ class KVCacheManager:
         Reused idle cached blocks stop being evictable, so they count against the free room.
         """
         table = self.block_tables.setdefault(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_tokens = self.num_slots(request) + len(cached) * self.block_size + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(table) - len(cached)
         num_idle_reused = sum(1 for b in cached if self.block_pool.ref_counts[b] == 0)
         if num_new_blocks + num_idle_reused > self.block_pool.num_allocatable:
@@ -72,6 +84,8 @@ class KVCacheManager:
 
     def register_full_blocks(self, request: Request) -> None:
         """Put blocks that became full and computed this step into the prefix cache."""
+        if request.request_id in self.num_evicted:
+            return  # compressed: its blocks do not hold the prefix their keys would name
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
@@ -82,8 +96,27 @@ class KVCacheManager:
             self.block_pool.cache_block(table[i], keys[i])
         self._num_registered[request.request_id] = num_full
 
+    def replace_blocks(self, request: Request, num_slots: int) -> list[int]:
+        """Swap the request's blocks for fresh private ones holding `num_slots` slots.
+
+        Copy-on-compress: the old blocks may be shared with other requests or registered in
+        the prefix cache (they still hold the full prefix), so they are released untouched
+        (cached ones stay hittable until evicted) and never overwritten. The caller copies
+        the kept KV out before and writes it into the returned table after. Releasing first
+        means the new blocks always fit.
+        """
+        rid = request.request_id
+        old = self.block_tables.pop(rid, [])
+        self.block_pool.release(old[::-1])
+        self._num_registered[rid] = 0
+        self.num_evicted[rid] = request.num_computed_tokens - num_slots
+        table = self.block_pool.allocate(cdiv(num_slots, self.block_size))
+        self.block_tables[rid] = table
+        return table
+
     def free(self, request: Request) -> None:
         """Release all of a request's blocks; its full blocks stay cached until evicted."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        self.num_evicted.pop(request.request_id, None)
         self.block_pool.release(table[::-1])

@@ -92,6 +92,31 @@ class KVPool:
             shape
         )
 
+    def gather_tokens(self, block_table: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """Copy out chosen slots of one sequence: `slots` [layers, kv_heads, n] (each layer
+        and head may pick different slots) -> [layers, 2, kv_heads, n, head_dim]."""
+        table = torch.tensor(block_table, device=self.kv.device)
+        slots = slots.to(self.kv.device)
+        layers, heads = slots.shape[:2]
+        blocks = table[slots // self.block_size][:, None]  # [L, 1, H, n]
+        offsets = (slots % self.block_size)[:, None]
+        layer_idx = torch.arange(layers, device=self.kv.device)[:, None, None, None]
+        kv_idx = torch.arange(2, device=self.kv.device)[None, :, None, None]
+        head_idx = torch.arange(heads, device=self.kv.device)[None, None, :, None]
+        return self.kv[blocks, layer_idx, kv_idx, head_idx, offsets]
+
+    def write_tokens(self, block_table: list[int], tokens: torch.Tensor) -> None:
+        """Fill a sequence's first slots, in order, from [layers, 2, kv_heads, n, head_dim]
+        (what `gather_tokens` returns); the table must have room for n slots."""
+        n = tokens.shape[3]
+        num_blocks = -(-n // self.block_size)
+        padded = tokens.new_zeros(*tokens.shape[:3], num_blocks * self.block_size, self.head_dim)
+        padded[:, :, :, :n] = tokens
+        # [L, 2, H, nb, bs, D] -> block-major [nb, L, 2, H, bs, D]
+        shaped = padded.view(*tokens.shape[:3], num_blocks, self.block_size, self.head_dim)
+        table = torch.tensor(block_table[:num_blocks], device=self.kv.device)
+        self.kv[table] = shaped.permute(3, 0, 1, 2, 4, 5)
+
     def read_block(self, block_id: int, codec: BlockCodec = _IDENTITY) -> torch.Tensor:
         """A copy of one block in the codec's stored form (full precision by default)."""
         return codec.encode(self.kv[block_id])

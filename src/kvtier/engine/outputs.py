@@ -23,6 +23,11 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+    # On the finished output: KV slots and pool bytes (blocks held x bytes per block) the
+    # request occupied right after its prompt was prefilled and compressed, measured from
+    # the pool. None when the request never completed its prefill.
+    kv_tokens_held: int | None = None
+    kv_bytes_held: int | None = None
 
 
 @dataclass
@@ -35,6 +40,8 @@ class GenerationOutput:
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    kv_tokens_held: int | None = None  # as in RequestOutput
+    kv_bytes_held: int | None = None
 
 
 @dataclass

@@ -53,19 +53,27 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_blocks: list[torch.Tensor] = []
+        slot_offsets: list[torch.Tensor] = []
         logit_rows = _LogitRows()
         meta = AttentionMetadata(slot_index=torch.empty(0, dtype=torch.long))
 
         if decodes:  # one token each, at position num_computed_tokens
             pos = [r.num_computed_tokens for r in decodes]
+            # A compressed request holds fewer KV slots than positions: its new token goes
+            # to the next slot but keeps its true position for RoPE.
+            slots = [self.kv.slot_of(r, p) for r, p in zip(decodes, pos, strict=True)]
             tables = [self.kv.block_table(r.request_id) for r in decodes]
             for row, (r, p) in enumerate(zip(decodes, pos, strict=True)):
                 input_ids.append(r.token_ids[p])
                 logit_rows.note(r, p + 1, row, row + 1)
             positions.append(torch.tensor(pos))
+            slots_t = torch.tensor(slots)
             bs = self.block_size
-            slot_blocks.append(torch.tensor([t[p // bs] for t, p in zip(tables, pos, strict=True)]))
-            self._decode_metadata(meta, decodes, tables, positions[0] + 1)
+            slot_blocks.append(
+                torch.tensor([t[s // bs] for t, s in zip(tables, slots, strict=True)])
+            )
+            slot_offsets.append(slots_t % bs)
+            self._decode_metadata(meta, decodes, tables, slots_t + 1)
 
         row = len(decodes)
         for r, n in prefills:  # a chunk of n tokens starting at num_computed_tokens
@@ -75,14 +83,15 @@ class ModelRunner:
             input_ids.extend(r.token_ids[start : start + n])
             positions.append(pos_t)
             slot_blocks.append(table[pos_t // self.block_size])
+            slot_offsets.append(pos_t % self.block_size)  # never compressed mid-prefill
             meta.prefills.append(self._prefill_span(r, table, row, start, n))
             logit_rows.note(r, start + n, row, row + n)
             row += n
 
         pos_all = torch.cat(positions)
-        meta.slot_index = self.pool.slot_index(
-            torch.cat(slot_blocks), pos_all % self.block_size
-        ).to(self.device)
+        meta.slot_index = self.pool.slot_index(torch.cat(slot_blocks), torch.cat(slot_offsets)).to(
+            self.device
+        )
         logits = self.model.forward(
             torch.tensor(input_ids, device=self.device),
             pos_all.to(self.device),

@@ -251,7 +251,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         return token.strip()
 
-    def caller(request: Request) -> Caller:
+    # Dependencies are async: FastAPI would run a plain `def` in a worker thread, one more
+    # hand-off (and GIL wait behind the step thread) before every request reaches the engine.
+    async def caller(request: Request) -> Caller:
         if config.anonymous:
             return Caller(ANONYMOUS, None)
         key = bearer(request)
@@ -269,7 +271,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     caller_dep = Depends(caller)
 
-    def admin(request: Request) -> None:
+    async def admin(request: Request) -> None:
         if config.admin_key is None:
             if config.anonymous:
                 return  # local single-user mode

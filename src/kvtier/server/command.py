@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default all)")
     parser.add_argument(
         "--tenant",
         action="append",
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "num_threads": args.num_threads,
     }
     engine = Engine(EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None}))
     app = create_app(engine, server_config)

@@ -8,8 +8,10 @@ once, so a tenant that floods the server recycles its own cache instead of evict
 everyone else's (the pool's global LRU only reaches other tenants' blocks when free blocks and
 over-quota blocks are gone).
 
-All methods that change the pool run under the engine's lock: listener callbacks are called
-by the engine with it held; the admin operations take it themselves.
+Only the engine's public API is used: `block_owner` names who filled a block,
+`drop_cached` / `pin_blocks` / `unpin_blocks` change the pool, and `exclusive()` holds the
+engine lock, under which the listener callbacks run too, so this class's own state needs no
+lock of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ class TenantCache:
         self.idle: dict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.cached_blocks: dict[str, int] = defaultdict(int)
         self.quota_evictions: dict[str, int] = defaultdict(int)
-        self._last_request: str | None = None
         # (tenant, session) -> blocks this listener holds a reference on (pinned: never evicted)
         self.pinned: dict[tuple[str, str], list[int]] = {}
 
@@ -60,7 +61,11 @@ class TenantCache:
     # ----- BlockEventListener -------------------------------------------------------------
 
     def on_block_filled(self, block_id: int, key: bytes) -> None:
-        self.owner[block_id] = self._find_owner(block_id)
+        filler = self.engine.block_owner(block_id)
+        if filler is None:  # e.g. restored from a tier: no request filled it here
+            self.owner[block_id] = (ANONYMOUS, None)
+        else:
+            self.owner[block_id] = (filler.tenant or ANONYMOUS, _plain_session(filler.session_id))
         self.cached_blocks[self.owner[block_id][0]] += 1
 
     def on_block_freed(self, block_id: int) -> None:
@@ -83,7 +88,7 @@ class TenantCache:
     # ----- queries and admin operations ---------------------------------------------------
 
     def stats(self) -> list[TenantCacheStats]:
-        with self.engine._lock:
+        with self.engine.exclusive():
             tenants = set(self.cached_blocks) | set(self.quotas)
             out = []
             for tenant in sorted(tenants):
@@ -105,14 +110,14 @@ class TenantCache:
 
     def clear_tenant(self, tenant: str) -> int:
         """Unpin and drop every idle cached block of `tenant`; returns how many were dropped."""
-        with self.engine._lock:
+        with self.engine.exclusive():
             for owner in [o for o in self.pinned if o[0] == tenant]:
                 self._unpin(owner)
             return self._drop(list(self._prune(tenant)))
 
     def evict_session(self, tenant: str, session_id: str) -> int:
         """Unpin and drop the idle cached blocks `session_id`'s turns filled; returns how many."""
-        with self.engine._lock:
+        with self.engine.exclusive():
             self._unpin((tenant, session_id))
             idle = self._prune(tenant)
             return self._drop([b for b in idle if self.owner.get(b) == (tenant, session_id)])
@@ -123,28 +128,28 @@ class TenantCache:
         Pinned bytes count against the tenant's quota: returns None (nothing pinned) when
         pinning would exceed it, else the number of blocks newly pinned.
         """
-        with self.engine._lock:
+        with self.engine.exclusive():
             owner = (tenant, session_id)
             held = set(self.pinned.get(owner, []))
             blocks = [b for b, o in self.owner.items() if o == owner and b not in held]
             limit = self.quota_blocks(tenant)
             if limit is not None and self._num_pinned(tenant) + len(blocks) > limit:
                 return None
-            self.pool.touch(blocks)
-            self.pinned.setdefault(owner, []).extend(blocks)
-            return len(blocks)
+            pinned = self.engine.pin_blocks(blocks)
+            self.pinned.setdefault(owner, []).extend(pinned)
+            return len(pinned)
 
     def unpin_session(self, tenant: str, session_id: str) -> int:
-        with self.engine._lock:
+        with self.engine.exclusive():
             return self._unpin((tenant, session_id))
 
     def unpin_all(self) -> int:
-        with self.engine._lock:
+        with self.engine.exclusive():
             return sum(self._unpin(owner) for owner in list(self.pinned))
 
     def _unpin(self, owner: tuple[str, str]) -> int:
         blocks = self.pinned.pop(owner, [])
-        self.pool.release(blocks[::-1])  # idle again: back under the quota's LRU
+        self.engine.unpin_blocks(blocks)  # idle again: back under the quota's LRU
         return len(blocks)
 
     def _num_pinned(self, tenant: str) -> int:
@@ -152,29 +157,10 @@ class TenantCache:
 
     # ----- internals ----------------------------------------------------------------------
 
-    def _find_owner(self, block_id: int) -> tuple[str, str | None]:
-        # Called while the engine registers the blocks a request just filled, so the block
-        # sits in that request's table past its already-registered leading blocks. Look
-        # there only (the request that filled the previous block first): O(new blocks).
-        manager = self.engine.kv_manager
-        registered = manager._num_registered
-        candidates = [self._last_request] if self._last_request else []
-        for request_id in (*candidates, *manager.block_tables):
-            table = manager.block_tables.get(request_id)
-            if table is None or block_id not in table[registered.get(request_id, 0) :]:
-                continue
-            request = self.engine.scheduler.requests.get(request_id)
-            if request is not None:
-                self._last_request = request_id
-                return (request.tenant or ANONYMOUS, _plain_session(request.session_id))
-        return (ANONYMOUS, None)
-
     def _prune(self, tenant: str) -> OrderedDict[int, None]:
         """The tenant's idle list without blocks a prefix hit took back into use."""
         idle = self.idle[tenant]
-        for block_id in [
-            b for b in idle if self.pool.ref_counts[b] > 0 or b not in self.pool.evictable
-        ]:
+        for block_id in [b for b in idle if not self.pool.is_idle_cached(b)]:
             del idle[block_id]
         return idle
 
@@ -188,17 +174,8 @@ class TenantCache:
             self.quota_evictions[tenant] += self._drop(list(idle)[:excess])
 
     def _drop(self, block_ids: list[int]) -> int:
-        """Evict idle cached blocks now (they become free), as `reset_prefix_cache` does."""
-        pool = self.pool
-        dropped = 0
-        for block_id in block_ids:
-            if pool.ref_counts[block_id] != 0 or block_id not in pool.evictable:
-                continue
-            del pool.evictable[block_id]
-            pool._evict(block_id)  # tells every listener (this one, a tiered store) first
-            pool.free_block_ids.append(block_id)
-            dropped += 1
-        return dropped
+        """Evict idle cached blocks now; every listener (this one, a tiered store) hears it."""
+        return self.engine.drop_cached(block_ids)
 
 
 def _plain_session(session_id: str | None) -> str | None:

@@ -1,0 +1,1 @@
+"""Eviction presses: one method per file, each scoring tokens for `EvictionPress.select`."""

@@ -1,0 +1,109 @@
+"""Group-wise asymmetric integer quantization (INT8 / INT4 / INT2), packed into bytes.
+
+KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024,
+arXiv:2402.02750) quantizes keys per channel (a group runs along tokens: key outliers live
+in fixed channels) and values per token (a group runs along channels). Both are this one
+operation on a different axis: `quantize(x, bits, group_size, dim)` groups `group_size`
+consecutive values along `dim` and stores, per group, a float16 minimum and step and one
+`bits`-bit code per value.
+
+Error bound: every value is within half a step of its reconstruction, where
+step = (group max - group min) / (2**bits - 1). The float16 minimum and step are rounded
+outward (minimum down, step up) so the bound holds after rounding too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import KvtierError
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass
+class Quantized:
+    codes: torch.Tensor  # uint8, `8 // bits` codes per byte, [..., groups, group_size * bits / 8]
+    minimum: torch.Tensor  # float16 [..., groups, 1]
+    step: torch.Tensor  # float16 [..., groups, 1]
+    bits: int
+    dim: int
+    length: int  # size of `dim` before padding to whole groups
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.minimum, self.step))
+
+
+def check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise KvtierError(f"quantization bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, dim: int) -> Quantized:
+    check_bits(bits)
+    if group_size < 1 or (group_size * bits) % 8:
+        raise KvtierError(
+            f"group_size must be positive and fill whole bytes at {bits} bits, got {group_size}"
+        )
+    dim = dim % x.ndim
+    moved = x.float().movedim(dim, -1)
+    length = moved.shape[-1]
+    pad = -length % group_size
+    if pad:  # repeat the last value: it widens no group's range
+        moved = torch.cat((moved, moved[..., -1:].expand(*moved.shape[:-1], pad)), dim=-1)
+    groups = moved.reshape(*moved.shape[:-1], -1, group_size)
+    levels = (1 << bits) - 1
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    minimum = _round_toward(low, float("-inf"))
+    step = _round_toward((high - minimum.float()) / levels, float("inf"))
+    # A constant group has step 0: any code reconstructs it exactly.
+    safe_step = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+    codes = ((groups - minimum.float()) / safe_step).round().clamp(0, levels).to(torch.uint8)
+    return Quantized(_pack(codes, bits), minimum, step, bits, dim, length, x.shape)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    codes = _unpack(q.codes, q.bits).float()
+    values = codes * q.step.float() + q.minimum.float()
+    values = values.reshape(*values.shape[:-2], -1)[..., : q.length]
+    return values.movedim(-1, q.dim).to(dtype).reshape(q.shape)
+
+
+def max_error(x: torch.Tensor, bits: int, group_size: int, dim: int) -> torch.Tensor:
+    """The documented bound for each value of `x`: half its group's step (same shape as x)."""
+    q = quantize(x, bits, group_size, dim)
+    half = (q.step.float() / 2).expand(*q.step.shape[:-1], group_size)
+    half = half.reshape(*half.shape[:-2], -1)[..., : q.length]
+    return half.movedim(-1, q.dim).reshape(x.shape)
+
+
+def _round_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
+    """float16 of x, moved one ulp toward `direction` where rounding went the other way."""
+    half = x.half()
+    wrong = half.float() > x if direction < 0 else half.float() < x
+    toward = torch.tensor(direction, dtype=half.dtype, device=half.device)
+    return torch.where(wrong, torch.nextafter(half, toward), half)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte)
+    packed = torch.zeros(grouped.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per_byte):
+        packed |= grouped[..., i] << (i * bits)
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> (i * bits)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
