@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.server.command",
         "OpenAI-compatible server with sessions, tenants and Prometheus metrics",
     ),
+    "eval": (
+        "kvtier.eval.command",
+        "long-context accuracy of KV compression methods (RULER-style)",
+    ),
     "model": (
         "kvtier.models.command",
         "locate/convert the embedded model, run a generation smoke test",

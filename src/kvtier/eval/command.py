@@ -1,0 +1,143 @@
+"""`kvtier eval`: long-context accuracy of KV compression methods on the real engine.
+
+Scores seeded RULER-style tasks (needles, variable tracking, word extraction, passkey) per
+task x method x compression ratio, with the KV bytes each request really held and speed.
+Writes results.json, results.md, score_vs_bytes.png and the samples (samples.jsonl, the
+input of benchmarks/kvpress_compare.py) under --out.
+
+Examples:
+  kvtier eval --quick
+  kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4096 --samples 4
+  kvtier eval --methods full,kivi4,kivi8 --tasks niah_single,passkey --lengths 2k,4k
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from kvtier.errors import KvtierError
+
+DEFAULT_OUT = "out/eval"
+DEFAULT_METHODS = "snapkv,streaming_llm,tova,knorm,h2o"
+# --quick: every task once at 1K, five presses at half the KV: a few minutes on 2 CPU cores.
+QUICK = {"lengths": "1024", "samples": 1, "ratios": "0,0.5"}
+FULL = {"lengths": "1024,2048,4096", "samples": 4, "ratios": "0,0.25,0.5,0.75,0.875"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtier.eval.tasks import TASKS
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "Examples:" + __doc__.split("Examples:")[1]
+    parser.add_argument(
+        "--quick", action="store_true", help=f"small run: {QUICK} (flags given still win)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"comma list: full, press names (run per ratio), or fixed specs such as "
+        f"snapkv:0.5, streaming_llm@512, kivi4 (default {DEFAULT_METHODS})",
+    )
+    parser.add_argument("--ratios", help=f"comma list in [0, 1) (default {FULL['ratios']})")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma list (default: all)")
+    parser.add_argument(
+        "--lengths", help=f"target lengths in tokens, e.g. 1k,4096 (default {FULL['lengths']})"
+    )
+    parser.add_argument(
+        "--samples", type=int, help=f"samples per task and length (default {FULL['samples']})"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="task generator seed (default 0)")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"({DEFAULT_OUT})")
+    parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=16384,
+        help="prompt tokens run together in one batch (default 16384)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.eval.methods import plan_runs
+    from kvtier.eval.tasks import check_tasks
+
+    preset = QUICK if args.quick else FULL
+    tasks = check_tasks(_split(args.tasks))
+    runs = plan_runs(_split(args.methods), _floats(args.ratios or preset["ratios"], "--ratios"))
+    lengths = [_length(v) for v in _split(args.lengths or preset["lengths"])]
+    num_samples = args.samples if args.samples is not None else preset["samples"]
+    if num_samples < 1:
+        raise KvtierError(f"--samples must be >= 1, got {num_samples}")
+    if args.threads is not None and args.threads < 1:
+        raise KvtierError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_batch_tokens < 1:
+        raise KvtierError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+
+    from kvtier.eval.report import markdown_table, print_table, summarize, write_json, write_plot
+    from kvtier.eval.runner import RunnerConfig, make_engine, run_eval
+    from kvtier.eval.sample import write_jsonl
+    from kvtier.eval.tasks import generate_samples
+
+    config = RunnerConfig(
+        model=args.model, num_threads=args.threads, max_batch_tokens=args.max_batch_tokens
+    )
+    engine = make_engine(config)
+    too_long = [n for n in lengths if n > engine.max_model_len]
+    if too_long:
+        raise KvtierError(
+            f"--lengths {too_long} exceed the model context of {engine.max_model_len} tokens"
+        )
+    samples = generate_samples(engine.tokenizer, tasks, lengths, num_samples, args.seed)
+    out = Path(args.out)
+    write_jsonl(samples, out / "samples.jsonl")
+    print(f"{len(samples)} samples x {len(runs)} method runs: {', '.join(r.label for r in runs)}")
+    started = time.perf_counter()
+    result = run_eval(samples, runs, config, engine, progress=print)
+    rows = summarize(result)
+    settings = {
+        "tasks": tasks,
+        "lengths": lengths,
+        "samples_per_task": num_samples,
+        "seed": args.seed,
+        "runs": [r.spec for r in runs],
+        "model": str(engine.model_dir),
+        "threads": engine.config.resolved_num_threads(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    print_table(rows)
+    (out / "results.md").write_text(markdown_table(rows) + "\n", encoding="utf-8")
+    for path in (
+        write_json(out / "results.json", settings, rows, result),
+        out / "results.md",
+        write_plot(rows, out / "score_vs_bytes.png"),
+        out / "samples.jsonl",
+    ):
+        print(f"wrote {path}")
+    return 0
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in _split(text)]
+    except ValueError:
+        raise KvtierError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _length(text: str) -> int:
+    value = text.lower()
+    try:
+        tokens = int(float(value[:-1]) * 1024) if value.endswith("k") else int(value)
+    except ValueError:
+        raise KvtierError(
+            f"--lengths takes token counts such as 1024 or 4k, got {text!r}"
+        ) from None
+    if tokens < 256:
+        raise KvtierError(f"--lengths values must be at least 256 tokens, got {tokens}")
+    return tokens
