@@ -502,7 +502,7 @@ def attach_connector(
 
     The engine's prefix cache is reset first, so no device block outlives the tiers it was
     spilled to. Benchmarks and tests use this to compare setups on one loaded model."""
-    with engine._lock:
+    with engine.exclusive():
         if engine.has_unfinished_requests():
             raise RuntimeError("attach_connector needs an idle engine")
         old = engine.connector
