@@ -96,3 +96,34 @@ def test_sessions_the_tracker_forgets_lose_their_stored_kv(engine, clock):
     finally:
         tracker.forget_after_s = saved
     assert_no_leak(engine)
+
+
+def test_dropping_one_session_keeps_the_prefix_it_shares_with_another(engine, clock):
+    """Two sessions open on the same 64-token prompt (a system prompt, through the prefix
+    cache). A policy that drops one of them must leave the shared blocks, or the other
+    session's whole history becomes unreachable on the device and is recomputed."""
+    from kvtier.policy.oracle import OraclePolicy
+
+    shared = list(range(1000, 1064))
+    first = {"a": shared + list(range(2000, 2040)), "b": shared + list(range(3000, 3040))}
+    now = clock.now()
+    oracle = OraclePolicy({"a": [now], "b": [now, now + 3600]})  # only b comes back
+    connector = attach_connector(engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), oracle)
+    outputs = {}
+    for session, prompt in first.items():
+        rid = engine.add_request(prompt, GREEDY, session_id=session)
+        outputs[session] = drain(engine)[rid]
+    clock.advance(1)
+    connector.runner.run("timer")
+    assert connector.runner.decisions["drop"] >= 1  # a's KV went
+    assert connector.counters["policy_dropped_blocks"] >= 1
+    second = first["b"] + outputs["b"] + list(range(4000, 4010))
+    rid = engine.add_request(second, GREEDY, session_id="b")
+    out = None
+    while engine.has_unfinished_requests():
+        for step_out in engine.step():
+            if step_out.finished and step_out.request_id == rid:
+                out = step_out
+    history_blocks = (len(first["b"]) + len(outputs["b"])) // 16
+    assert out.metrics.prompt_token_sources["device"] >= 16 * (history_blocks - 1)
+    assert_no_leak(engine)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +71,9 @@ class PolicyRunner:
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
         self.interval_s = self.config.interval_s
         self.sessions: dict[str, _SessionKeys] = {}
+        # block key -> how many remembered sessions hold it: blocks shared through the prefix
+        # cache (a system prompt, a shared document) are never dropped for one session's sake
+        self._holders: Counter[bytes] = Counter()
         self.decisions: Counter[str] = Counter({"keep": 0, "move": 0, "drop": 0})
         self.runs: Counter[str] = Counter({"timer": 0, "pressure": 0})
         self.skipped: Counter[str] = Counter()
@@ -82,7 +85,17 @@ class PolicyRunner:
         return self.connector.engine.sessions.clock
 
     def remember_session(self, session_id: str, keys: tuple[bytes, ...], namespace: str) -> None:
+        old = self.sessions.get(session_id)
+        if old is not None:
+            self._holders.subtract(set(old.keys))
+        self._holders.update(set(keys))
         self.sessions[session_id] = _SessionKeys(keys, namespace)
+
+    def _own_keys(self, keys: Sequence[bytes], holders: int = 1) -> list[bytes]:
+        """The keys no other remembered session holds (`holders`: how many holders the acting
+        session itself counts for). Dropping a shared block would cut every other session's
+        prefix chain at that block: all of their history after it would be recomputed."""
+        return [k for k in keys if self._holders[k] <= holders]
 
     # ----- triggers ------------------------------------------------------------------------
 
@@ -195,8 +208,9 @@ class PolicyRunner:
         on it, and this map would grow for as long as the server runs."""
         for session_id in [s for s in self.sessions if s not in tracked]:
             stored = self.sessions.pop(session_id)
+            self._holders.subtract(set(stored.keys))
             for chunk in self.connector.chunk_keys(stored.keys):
-                self._drop(chunk, stored.namespace)
+                self._drop(chunk, stored.namespace, holders=0)
             self.decisions["forgotten"] += 1
 
     # ----- actions -------------------------------------------------------------------------
@@ -250,9 +264,11 @@ class PolicyRunner:
                 c.writes.put(chunk, payload, tier, done)
             elif where != tier:
                 self._demote(chunk, tier)
-            c.drop_device_blocks([k for k, b in zip(keys, ids, strict=True) if b is not None])
+            c.drop_device_blocks(
+                self._own_keys([k for k, b in zip(keys, ids, strict=True) if b is not None])
+            )
             return
-        c.drop_device_blocks(keys)
+        c.drop_device_blocks(self._own_keys(keys))
         chunk = Chunk(keys, namespace)
         self._demote(chunk, tier)
 
@@ -274,9 +290,9 @@ class PolicyRunner:
         # Queued behind a put of the same chunk still in flight, so it demotes what landed.
         c.writes.demote(chunk.id, tier, done)
 
-    def _drop(self, keys: tuple[bytes, ...], namespace: str) -> None:
+    def _drop(self, keys: tuple[bytes, ...], namespace: str, holders: int = 1) -> None:
         c = self.connector
-        dropped = c.drop_device_blocks(keys)
+        dropped = c.drop_device_blocks(self._own_keys(keys, holders))
         c.counters["policy_dropped_blocks"] += dropped
         # every stored prefix-length variant of this chunk goes too
         for length in range(len(keys), 0, -1):
