@@ -25,12 +25,11 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from local_redis import start_redis
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
@@ -40,39 +39,6 @@ from kvtier.policy.actions import Move
 
 MIB = 1 << 20
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-
-
-def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            shutil.which("redis-server") or "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(directory),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(500):
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            time.sleep(0.02)
-    return process, f"redis://127.0.0.1:{port}/0"
 
 
 def all_tiers(workdir: Path, redis_url: str) -> TiersConfig:

@@ -26,9 +26,7 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from typing import Any
 
 import redis
 import torch
+from local_redis import start_redis
 from redis.connection import Encoder, PythonRespSerializer
 
 from kvtier.tiers import DiskTier, HostTier, Payload, RedisTier
@@ -332,37 +331,6 @@ def bench_redis(url: str, chunk_bytes: int, count: int, repeats: int) -> list[di
         client.flushall()
         client.close()
     return rows
-
-
-def start_redis(directory: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(directory),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    client.close()
-    return server, f"redis://127.0.0.1:{port}/0"
 
 
 # -- report -----------------------------------------------------------------------------------
