@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cache.connector import attach_connector
+from kvtier.clock import VirtualClock
 from kvtier.engine import Engine, EngineConfig
 
 MIB = 1 << 20
@@ -26,24 +27,13 @@ spawn_redis = _tiers.spawn_redis
 own_redis = _tiers.own_redis
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
+@pytest.fixture(scope="session")
+def clock() -> VirtualClock:
+    return VirtualClock(1000.0)
 
 
 @pytest.fixture(scope="session")
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture(scope="session")
-def _engine(clock: FakeClock) -> Engine:
+def _engine(clock: VirtualClock) -> Engine:
     # 16 MiB of fp32 SmolLM2 KV: 22 blocks of 16 tokens, so a 250-token prompt evicts others.
     # One torch thread: on a shared 2-core machine a second one stalls on the other's load.
     engine = Engine(

@@ -5,31 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.clock import VirtualClock
 from kvtier.engine import Engine, EngineConfig
 
 MIB = 1 << 20
 
 
-class FakeClock:
-    """Trace time for the session tracker: tests move it forward by hand."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
+@pytest.fixture(scope="session")
+def fake_clock() -> VirtualClock:
+    return VirtualClock(1000.0)
 
 
 @pytest.fixture(scope="session")
-def fake_clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture(scope="session")
-def _chunked_engine(fake_clock: FakeClock) -> Engine:
+def _chunked_engine(fake_clock: VirtualClock) -> Engine:
     return Engine(
         EngineConfig(dtype="float32", max_num_batched_tokens=32, kv_cache_bytes=32 * MIB),
         clock=fake_clock,

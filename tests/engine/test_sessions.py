@@ -3,14 +3,13 @@ and a follow-up turn finds its history's KV on device."""
 
 from __future__ import annotations
 
+from kvtier.clock import VirtualClock
 from kvtier.engine import SamplingParams
 from kvtier.engine.sessions import SessionTracker, TurnKind
 
-from .conftest import FakeClock
-
 
 def test_turn_kinds_follow_the_gap_since_the_previous_turn_ended():
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     tracker = SessionTracker(clock, resume_after_s=30)
     first = tracker.start_turn("s", "r1", 10)
     clock.advance(100)  # a long first turn: the gap counts from its end, not its start
@@ -33,7 +32,7 @@ def test_turn_kinds_follow_the_gap_since_the_previous_turn_ended():
 
 
 def test_memory_is_bounded_idle_sessions_are_forgotten():
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     tracker = SessionTracker(clock, resume_after_s=30, forget_after_s=1000, max_turns=3)
     for i in range(5):
         tracker.start_turn("long", f"l{i}", 10)
@@ -55,7 +54,7 @@ def test_memory_is_bounded_idle_sessions_are_forgotten():
 
 
 def test_turn_arriving_while_the_previous_runs_is_continuing():
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     tracker = SessionTracker(clock, resume_after_s=30)
     tracker.start_turn("s", "r1", 10)
     clock.advance(500)
