@@ -72,3 +72,10 @@ def test_a_press_really_holds_fewer_bytes(tokenizer):
     assert half.kv_tokens_held <= full.kv_tokens_held // 2 + 16
     assert half.kv_bytes_held < 0.6 * full.kv_bytes_held
     assert [t.spec for t in result.timings] == ["full", "streaming_llm:0.5"]
+
+
+def test_task_names_match_the_task_registry():
+    from kvtier.eval import command
+    from kvtier.eval.tasks import TASKS
+
+    assert tuple(TASKS) == command.TASK_NAMES

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
-from kvtier.workload.source import PRESET_NAMES
+from kvtier.workload.flags import PRESET_NAMES, TRACE_FORMATS
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Workload
 
-FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # kept in step with workload.traces
 DEFAULT_MODEL = "llama-3.1-70b"
 DEFAULT_OUT = "out/analyze"
 
@@ -32,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("\n", 3)[3]
     parser.add_argument("trace", nargs="?", help="trace file (Mooncake, Qwen-Bailian, ShareGPT)")
     parser.add_argument(
-        "--format", default="auto", metavar="FMT", help=f"trace format: {', '.join(FORMATS)}"
+        "--format", default="auto", metavar="FMT", help=f"trace format: {', '.join(TRACE_FORMATS)}"
     )
     parser.add_argument(
         "--generate",

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.workload.source import PRESET_NAMES
+from kvtier.workload.flags import add_workload_arguments
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Workload
@@ -40,22 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the demo workload (preset `demo`: 10 sessions, short answers), 1 thread",
     )
-    work = parser.add_argument_group("workload")
-    work.add_argument(
-        "--workload",
-        default="quick",
-        metavar="PRESET|PATH",
-        help=f"generator preset ({', '.join(PRESET_NAMES)}) or trace file (default: quick)",
-    )
-    work.add_argument("--trace-format", default="auto", help="auto, mooncake, bailian, sharegpt")
-    work.add_argument(
-        "--workload-set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override a generator field, e.g. sessions=8 or answer_tokens.max_tokens=32",
-    )
-    work.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    work = add_workload_arguments(parser, default="quick")
     work.add_argument(
         "--scale-to",
         type=int,

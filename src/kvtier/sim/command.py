@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.workload.source import PRESET_NAMES
+from kvtier.workload.flags import add_workload_arguments
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
     from kvtier.sim.deployment import Deployment
     from kvtier.workload.model import Request
 
-FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # kept in step with workload.traces
 DEFAULT_POLICIES = "retain,recompute,offload,cost"
 DEFAULT_OUT = "out/simulate"
 
@@ -42,22 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "action", nargs="?", default="run", choices=("run", "sweep"), help="run (default) or sweep"
     )
-    work = parser.add_argument_group("workload")
-    work.add_argument(
-        "--workload",
-        default="default",
-        metavar="PRESET|PATH",
-        help=f"generator preset ({', '.join(PRESET_NAMES)}) or trace file (default: default)",
-    )
-    work.add_argument("--trace-format", default="auto", help=f"one of {', '.join(FORMATS)}")
-    work.add_argument(
-        "--workload-set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="override a generator field, e.g. sessions=1000 or user_tokens.mean=200",
-    )
-    work.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    add_workload_arguments(parser, default="default")
     pol = parser.add_argument_group("policies")
     pol.add_argument(
         "--policies",

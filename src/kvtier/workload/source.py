@@ -13,10 +13,9 @@ from typing import Any
 
 from kvtier.errors import KvtierError
 from kvtier.workload.config import GeneratorConfig
+from kvtier.workload.flags import PRESET_NAMES
 from kvtier.workload.model import Workload
 from kvtier.workload.presets import PRESETS
-
-PRESET_NAMES = tuple(PRESETS)
 
 
 def preset_with_settings(name: str, settings: Sequence[str] = ()) -> GeneratorConfig:
