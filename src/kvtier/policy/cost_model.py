@@ -174,7 +174,7 @@ class Prices:
 
     rent_s_per_gb_hour: Mapping[str, float]
     headroom: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HEADROOM))
-    base_share: float = DEFAULT_BASE_SHARE
+    base_share: float | Mapping[str, float] = DEFAULT_BASE_SHARE  # one, or per tier
 
     @classmethod
     def from_dollars(
@@ -182,7 +182,7 @@ class Prices:
         gpu_dollars_per_hour: float = DEFAULT_GPU_DOLLARS_PER_HOUR,
         dollars_per_gb_hour: Mapping[str, float] | None = None,
         headroom: Mapping[str, float] | None = None,
-        base_share: float = DEFAULT_BASE_SHARE,
+        base_share: float | Mapping[str, float] = DEFAULT_BASE_SHARE,
     ) -> Prices:
         """Convert money to latency at 1 s of latency = 1 s of the GPU's time."""
         dollars = {**DEFAULT_DOLLARS_PER_GB_HOUR, **(dollars_per_gb_hour or {})}
@@ -192,7 +192,10 @@ class Prices:
     def per_byte_second(self, tier: str, occupancy: float) -> float:
         u = min(max(occupancy, 0.0), MAX_OCCUPANCY)
         congestion = max(0.0, u - self.headroom.get(tier, 0.0)) / (1 - u)
-        return self.rent_s_per_gb_hour[tier] / (GB * 3600) * (self.base_share + congestion)
+        base = self.base_share
+        if not isinstance(base, (int, float)):
+            base = base.get(tier, DEFAULT_BASE_SHARE)
+        return self.rent_s_per_gb_hour[tier] / (GB * 3600) * (base + congestion)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ is still free if that is worth more. The policy runs again every h seconds and r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,24 +61,15 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _Bid:
-    key: ChunkKey
-    size: int
-    values: dict[str, float]  # tier -> net value over the horizon, seconds
+class _Table:
+    """Every candidate chunk's net value per tier: one row per chunk, one column per tier of
+    the view (fastest first); -inf where the tier is faster than the chunk's (no promotions).
+    Rows are in (session id, chunk index) order, which is also the tie-break order."""
 
-    def best(self, from_rank: int) -> str | None:
-        """Best tier at or below `from_rank`, None (drop) unless some tier is worth > 0;
-        equal values go to the faster tier, which is the one the chunk is in already."""
-        options = [
-            (v, -TIER_RANK[t], t) for t, v in self.values.items() if TIER_RANK[t] >= from_rank
-        ]
-        value, _, tier = max(options, default=(0.0, 0, None))
-        return tier if value > 0 else None
-
-    def loss_per_byte(self, tier: str) -> float:
-        """What losing `tier` costs, per byte: its value minus the next best option's."""
-        below = [v for t, v in self.values.items() if TIER_RANK[t] > TIER_RANK[tier]]
-        return (self.values[tier] - max([0.0, *below])) / max(self.size, 1)
+    keys: list[ChunkKey]
+    size: np.ndarray  # bytes
+    values: np.ndarray  # [chunks, tiers] seconds over the horizon
+    tiers: tuple[str, ...]
 
 
 @dataclass
@@ -108,8 +100,8 @@ class CostPolicy(RetentionPolicy):
             self.calibration.expire(now)
         sessions = sorted(view.candidates(now), key=lambda s: s.session_id)
         occupancy = self._fixed_occupancy(view, sessions)
-        bids = [bid for s in sessions for bid in self._bids(view, s, now, occupancy)]
-        return placement_actions(sessions, self._allocate(view, sessions, bids))
+        table = self._table(view, sessions, now, occupancy)
+        return placement_actions(sessions, self._allocate(view, sessions, table))
 
     def _fixed_occupancy(
         self, view: PolicyView, candidates: Sequence[SessionView]
@@ -126,63 +118,85 @@ class CostPolicy(RetentionPolicy):
     ) -> dict[int, dict[str, float]]:
         """Net value per chunk index and tier: the numbers the policy decides on."""
         occupancy = self._fixed_occupancy(view, view.candidates(now))
-        bids = self._bids(view, session, now, occupancy, record=False)
-        return {bid.key[1]: bid.values for bid in bids}
+        table = self._table(view, [session], now, occupancy, record=False)
+        return {
+            index: {t: float(v) for t, v in zip(table.tiers, row, strict=True) if v > -np.inf}
+            for (_, index), row in zip(table.keys, table.values, strict=True)
+        }
 
-    def _bids(
+    def _table(
         self,
         view: PolicyView,
-        session: SessionView,
+        sessions: Sequence[SessionView],
         now: float,
         occupancy: Mapping[str, float],
         record: bool = True,
-    ) -> list[_Bid]:
-        chunks = session.stored_chunks()
-        schedule = self._schedule(session, session.idle_s(now))
+    ) -> _Table:
+        tiers = view.tier_names
+        keys: list[ChunkKey] = []
+        rows: list[tuple[int, int, int, int, int]] = []  # session, tokens, start, size, rank
+        for s, session in enumerate(sessions):
+            for chunk in session.stored_chunks():
+                keys.append((session.session_id, chunk.index))
+                rank = TIER_RANK[chunk.tier]
+                rows.append((s, chunk.tokens, chunk.token_start, chunk.size_bytes, rank))
+        if not rows:
+            return _Table([], np.zeros(0), np.zeros((0, len(tiers))), tiers)
+        data = np.array(rows, dtype=float)
+        row_session = data[:, 0].astype(int)
+        tokens, start, size, rank = data[:, 1], data[:, 2], data[:, 3], data[:, 4]
+
+        q, d = self._schedules(sessions, now)  # [sessions, K]
         if record and self.calibration is not None:
-            self.calibration.predict(session.session_id, now, self.horizon_s, schedule[0][0])
-        weight = 2.0**session.priority
+            for session, q0 in zip(sessions, q[:, 0], strict=True):
+                self.calibration.predict(session.session_id, now, self.horizon_s, float(q0))
+        weight = np.array([2.0**session.priority for session in sessions])[row_session]
         # chunks x tiers: what a return saves, and what holding costs per second (the cost
         # model's formulas are plain arithmetic, so they take whole columns at once)
-        tokens = np.array([c.tokens for c in chunks], dtype=float)
-        start = np.array([c.token_start for c in chunks], dtype=float)
-        size = np.array([c.size_bytes for c in chunks], dtype=float)
         recompute = self.model.chunk_recompute_s(tokens, start)
-        gain = np.column_stack(
-            [weight * (recompute - self.model.load_s(size, t.name)) for t in view.tiers]
-        )
-        rent = np.column_stack(
-            [self.model.hold_cost(size, t.name, 1.0, occupancy[t.name]) for t in view.tiers]
-        )
+        gain = np.column_stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
+        rent = np.column_stack([self.model.hold_cost(size, t, 1.0, occupancy[t]) for t in tiers])
+        q, d = q[row_session], d[row_session]
         later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
-        for q, d in reversed(schedule[1:]):
-            stage = np.maximum(q * gain - rent * d + (1 - q) * later, 0.0)
+        for k in range(q.shape[1] - 1, 0, -1):  # past a session's grid q = d = 0: no change
+            qk, dk = q[:, k, None], d[:, k, None]
+            stage = np.maximum(qk * gain - rent * dk + (1 - qk) * later, 0.0)
             later = np.maximum.accumulate(stage[:, ::-1], axis=1)[:, ::-1]
-        q, d = schedule[0]
-        value = q * gain - rent * d + (1 - q) * later
-        bids = []
-        for row, chunk in zip(value, chunks, strict=True):
-            values = {
-                tier.name: float(v)
-                for tier, v in zip(view.tiers, row, strict=True)
-                if TIER_RANK[tier.name] >= TIER_RANK[chunk.tier]  # no promotions
-            }
-            bids.append(_Bid((session.session_id, chunk.index), chunk.size_bytes, values))
-        return bids
+        q0, d0 = q[:, 0, None], d[:, 0, None]
+        values = q0 * gain - rent * d0 + (1 - q0) * later
+        tier_rank = np.array([TIER_RANK[t] for t in tiers])
+        values[tier_rank[None, :] < rank[:, None]] = -np.inf  # no promotions
+        return _Table(keys, size, values, tiers)
 
-    def _schedule(self, session: SessionView, idle_s: float) -> list[tuple[float, float]]:
-        """(q_k, d_k) over the doubling time grid from `idle_s` to the predictor's cut-off."""
+    def _schedules(
+        self, sessions: Sequence[SessionView], now: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(q, d) per session over the doubling time grid from its idle time to the
+        predictor's cut-off: q[s, k] = P(return in interval k | idle until it), d[s, k] its
+        length; zero past a session's last interval (a session past the cut-off gets one
+        interval of length `horizon_s` with q = 0)."""
         end = self.predictor.max_age_s
-        schedule = []
-        start, step = idle_s, self.horizon_s
-        while start < end:
-            stop = min(idle_s + step, end)
-            schedule.append((self.predictor.p_reuse(session, start, stop - start), stop - start))
-            start, step = stop, 2 * step
-        return schedule or [(0.0, self.horizon_s)]
+        h = self.horizon_s
+        idle = np.array([session.idle_s(now) for session in sessions], dtype=float)
+        # interval k ends at idle + h * 2**k
+        count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
+        ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
+        ends = np.minimum(ends, end)
+        starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
+        d = np.maximum(ends - starts, 0.0)
+        q = np.zeros_like(d)
+        by_key: dict[tuple[str, str], list[int]] = {}
+        for s, session in enumerate(sessions):
+            by_key.setdefault(session.reuse_key, []).append(s)
+        for key, members in by_key.items():
+            q[members] = self.predictor.p_reuse_many(key, starts[members], d[members])
+        q[d <= 0] = 0.0
+        past = idle >= end  # nothing left of the grid: one empty interval, as before
+        d[past, 0] = h
+        return q, d
 
     def _allocate(
-        self, view: PolicyView, sessions: list[SessionView], bids: list[_Bid]
+        self, view: PolicyView, sessions: list[SessionView], table: _Table
     ) -> dict[ChunkKey, str | None]:
         available = room(view, sessions)
         if "device" in available and view.pressure:
@@ -190,39 +204,45 @@ class CostPolicy(RetentionPolicy):
         queue_bytes = view.waiting_bytes
         queue_bid = view.queue.waiting_requests * self.horizon_s / queue_bytes if queue_bytes else 0
 
-        target: dict[ChunkKey, str | None] = {}
-        pending = bids
-        for tier in view.tier_names:
-            rank = TIER_RANK[tier]
-            entries = [
-                (bid.loss_per_byte(tier), bid.key, bid) for bid in pending if bid.best(rank) == tier
-            ]
+        values, size, tiers = table.values, table.size, table.tiers
+        n, count = values.shape
+        placed = np.full(n, -1)  # column of the tier each chunk gets; -1: dropped
+        pending = np.ones(n, dtype=bool)
+        for j, tier in enumerate(tiers):
+            rest = values[:, j:]
+            best = j + np.argmax(rest, axis=1)  # ties: the faster tier (the first)
+            wants = pending & (best == j) & (values[:, j] > 0)
+            rows = np.flatnonzero(wants)
+            below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
+            loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
+            order = rows[np.lexsort((rows, -loss))]  # highest loss first, then key order
+            room_left = available[tier]
             if tier == "device" and queue_bytes:
-                entries.append((queue_bid, ("", -1), None))  # the queue wins ties
-            entries.sort(key=lambda entry: (-entry[0], entry[1]))
-            for _, key, bid in entries:
-                if bid is None:
-                    available[tier] -= min(max(available[tier], 0), queue_bytes)
-                elif bid.size <= available[tier]:
-                    available[tier] -= bid.size
-                    target[key] = tier
-            pending = [bid for bid in pending if bid.key not in target]
-        for bid in pending:
-            target[bid.key] = None
+                # the queue bids first among equals: it takes its bytes before lower bids
+                ahead = order[loss[np.searchsorted(rows, order)] > queue_bid]
+                order = np.concatenate([ahead, [-1], order[len(ahead) :]]).astype(int)
+            for r in order:
+                if r < 0:
+                    room_left -= min(max(room_left, 0), queue_bytes)
+                elif size[r] <= room_left:
+                    room_left -= size[r]
+                    placed[r] = j
+            available[tier] = room_left
+            pending &= placed < 0
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
-        for bid in bids:
-            current = target[bid.key]
-            current_value = bid.values[current] if current is not None else 0.0
-            for tier, value in sorted(
-                bid.values.items(), key=lambda tv: (-tv[1], TIER_RANK[tv[0]])
-            ):
-                if value <= current_value:
+        current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
+        for r in np.flatnonzero(values.max(axis=1, initial=0.0) > current):
+            for j in sorted(range(count), key=lambda c: (-values[r, c], c)):
+                if values[r, j] <= current[r]:
                     break
-                if bid.size <= available[tier]:
-                    available[tier] -= bid.size
-                    if current is not None:
-                        available[current] += bid.size
-                    target[bid.key] = tier
+                if size[r] <= available[tiers[j]]:
+                    available[tiers[j]] -= size[r]
+                    if placed[r] >= 0:
+                        available[tiers[placed[r]]] += size[r]
+                    placed[r] = j
                     break
-        return target
+        return {
+            key: tiers[j] if j >= 0 else None
+            for key, j in zip(table.keys, placed.tolist(), strict=True)
+        }

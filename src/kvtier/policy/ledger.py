@@ -118,8 +118,13 @@ def placement_actions(
     moves: list[tuple[int, Action]] = []
     keeps: list[Action] = []
     for session in sorted(sessions, key=lambda s: s.session_id):
-        for chunk in session.stored_chunks():
-            key = (session.session_id, chunk.index)
+        chunks = session.stored_chunks()
+        sid = session.session_id
+        if chunks and all(target.get((sid, c.index), "") == c.tier for c in chunks):
+            keeps.append(Keep(sid))  # one action for a session left where it is
+            continue
+        for chunk in chunks:
+            key = (sid, chunk.index)
             if key not in target:
                 continue
             tier = target[key]

@@ -28,8 +28,19 @@ class PolicyMetrics:
     def record(self, view: PolicyView, actions: Iterable[Action]) -> None:
         """Count `actions` against the chunks of the `view` they were decided on."""
         sessions = {session.session_id: session for session in view.sessions}
+        stored: dict[str, dict[int, ChunkView]] = {}  # per session, built when first needed
         for action in actions:
-            for chunk in _chunks(sessions[action.session_id].chunks, action.chunk_idx):
+            chunks = stored.get(action.session_id)
+            if chunks is None:
+                chunks = stored[action.session_id] = {
+                    c.index: c for c in sessions[action.session_id].chunks if c.tier is not None
+                }
+            if action.chunk_idx is None:
+                selected = list(chunks.values())
+            else:
+                chunk = chunks.get(action.chunk_idx)
+                selected = [] if chunk is None else [chunk]
+            for chunk in selected:
                 source = chunk.tier
                 if isinstance(action, Keep):
                     self.decisions["keep", source] += 1
@@ -56,11 +67,6 @@ class PolicyMetrics:
             for tier, n in sorted(self.bytes_dropped.items())
         ]
         return out
-
-
-def _chunks(chunks: tuple[ChunkView, ...], index: int | None) -> list[ChunkView]:
-    stored = [chunk for chunk in chunks if chunk.tier is not None]
-    return stored if index is None else [chunk for chunk in stored if chunk.index == index]
 
 
 @dataclass(frozen=True)

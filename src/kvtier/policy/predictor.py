@@ -142,6 +142,36 @@ class ReusePredictor:
         returned = self._cdf(cdf, min(idle_s + horizon_s, self.max_age_s)) - self._cdf(cdf, idle_s)
         return min(1.0, max(0.0, returned / alive))
 
+    def p_reuse_many(
+        self, session: SessionView | Key, idle_s: np.ndarray, horizon_s: np.ndarray
+    ) -> np.ndarray:
+        """`p_reuse` elementwise over arrays of idle times and horizons (one key): what a
+        policy pricing many intervals at once asks, without a Python call per interval."""
+        key = session.reuse_key if isinstance(session, SessionView) else session
+        cdf, _ = self._distribution(key)
+        idle = np.asarray(idle_s, dtype=float)
+        horizon = np.asarray(horizon_s, dtype=float)
+        start = self._cdf_many(cdf, idle)
+        alive = 1 - start
+        returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s)) - start
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.clip(returned / alive, 0.0, 1.0)
+        return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
+
+    def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """`_cdf` elementwise."""
+        edges = self.edges
+        clipped = np.clip(x, 0.0, edges[-1])
+        i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
+        lo, hi = edges[i], edges[i + 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_share = np.log(np.maximum(clipped, 1e-300) / np.maximum(lo, 1e-300)) / np.log(
+                hi / np.maximum(lo, 1e-300)
+            )
+        share = np.where(i == 0, clipped / hi, log_share)
+        out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
+        return np.where(x >= edges[-1], cdf[-1], out)
+
     def p_no_return(self, session: SessionView | Key) -> float:
         key = session.reuse_key if isinstance(session, SessionView) else session
         return self._distribution(key)[1]
