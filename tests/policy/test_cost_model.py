@@ -80,8 +80,18 @@ def test_holding_is_cheap_with_headroom_and_dear_when_full():
     host = [prices.per_byte_second("host", u) for u in (0.0, 0.5, 0.9)]
     assert host == sorted(host) and host[1] > host[0]
     model = CostModel(PROFILE, prices)
-    # an hour of 1 GB on the device at 90% costs rent x (base + 0.4 / 0.1) seconds
-    assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * (0.01 + 4.0))
+    # an hour of 1 GB on the device at 90% costs rent x (base + 0.4 / 0.1) seconds + the floor
+    floor = prices.floor_s_per_gb_hour
+    assert floor == pytest.approx(0.001 * prices.rent_s_per_gb_hour["host"])
+    assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * (0.01 + 4.0) + floor)
+
+
+def test_budgeted_tiers_with_room_cost_only_the_floor_which_is_equal_everywhere():
+    prices = Prices.from_dollars()
+    lower = {tier: prices.per_byte_second(tier, 0.0) for tier in ("host", "disk", "remote")}
+    assert len(set(lower.values())) == 1 and lower["host"] > 0
+    assert prices.per_byte_second("device", 0.0) > 4 * lower["host"]
+    assert Prices.from_dollars(floor_dollars_per_gb_hour=0).per_byte_second("disk", 0.0) == 0
 
 
 def test_bad_profiles_are_rejected():

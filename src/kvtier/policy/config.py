@@ -25,6 +25,7 @@ from kvtier.plan.geometry import load_geometry
 from kvtier.plan.hardware import DEFAULT_EFFICIENCY, get_accelerator
 from kvtier.policy.cost_model import (
     DEFAULT_BASE_SHARE,
+    DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
     DEFAULT_GPU_DOLLARS_PER_HOUR,
     DEFAULT_LINKS,
     CostModel,
@@ -55,7 +56,11 @@ class CostSection(_Section):
     gpu_dollars_per_hour: PositiveFloat = DEFAULT_GPU_DOLLARS_PER_HOUR
     dollars_per_gb_hour: dict[TierName, NonNegativeFloat] = Field(default_factory=dict)
     headroom: dict[TierName, Share] = Field(default_factory=dict)
-    base_rent_share: Annotated[float, Field(ge=0, le=1)] = DEFAULT_BASE_SHARE
+    # one share for every tier, or per tier (tiers left out get the default)
+    base_rent_share: (
+        Annotated[float, Field(ge=0, le=1)] | dict[TierName, Annotated[float, Field(ge=0, le=1)]]
+    ) = Field(default_factory=lambda: dict(DEFAULT_BASE_SHARE))
+    floor_dollars_per_gb_hour: NonNegativeFloat = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR
 
 
 class PredictorSection(_Section):
@@ -160,6 +165,7 @@ class PolicyConfig(_Section):
             self.cost.dollars_per_gb_hour,
             self.cost.headroom,
             self.cost.base_rent_share,
+            self.cost.floor_dollars_per_gb_hour,
         )
         return CostModel(profile or self.profile.build(), prices)
 

@@ -17,12 +17,17 @@ bandwidth: a transfer that size reaches half the sustained rate).
 
 Holding `n` bytes in tier T for `s` seconds at occupancy u costs `n * s * price_T(u)`,
 
-    price_T(u) = rent_T * (base + max(0, u - headroom_T) / (1 - u))      (u capped at 0.99)
+    price_T(u) = rent_T * (base_T + max(0, u - headroom_T) / (1 - u)) + floor  (u capped at 0.99)
 
 Space is paid for whether used or not, so its price is mostly what it denies others: little
 while the tier has headroom, rising without bound as it fills (the 1/(1 - u) of a queue's
-delay). The small `base` share (1% by default) is what frees KV nobody will use again in an
-idle system: without it a session that never returns would sit in free space at zero cost.
+delay). The device also charges a small share of its rent at any occupancy (`base`, 1%): HBM
+held by idle KV is what the next burst of requests would have used. Host, disk and remote space
+is bought as a budget, so while it has room holding KV there denies nobody anything (`base` 0
+there: charging their dollar rents instead sent long-idle sessions to NVMe while DRAM sat free,
+which cost latency and saved no money). `floor` is the least any byte costs anywhere, equal in
+every tier so it never picks between them: it is what frees KV nobody will use again from a
+tier with room (default: 0.1% of host DRAM's rent).
 `rent_T` converts money to seconds at the exchange rate 1 s of latency = 1 s of GPU time:
 rent_T = 3600 * ($ per GB-hour of tier T) / ($ per GPU-hour). docs/policy.md has the numbers.
 """
@@ -58,7 +63,11 @@ DEFAULT_DOLLARS_PER_GB_HOUR = {
 }
 # Device HBM only becomes scarce once half full; the other tiers price any contention.
 DEFAULT_HEADROOM = {"device": 0.5, "host": 0.0, "disk": 0.0, "remote": 0.0}
-DEFAULT_BASE_SHARE = 0.01  # of the rent, charged even with headroom left
+# Share of the rent charged even with headroom left: on the device only. Host, disk and remote
+# space is bought as a budget; while the budget has room, holding KV there denies nobody
+# anything, and the predictor's cut-off age still drops what never returns.
+DEFAULT_BASE_SHARE = {"device": 0.01, "host": 0.0, "disk": 0.0, "remote": 0.0}
+DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR = 0.001 * DEFAULT_DOLLARS_PER_GB_HOUR["host"]
 
 
 def _bandwidth(key: str) -> float:
@@ -174,7 +183,10 @@ class Prices:
 
     rent_s_per_gb_hour: Mapping[str, float]
     headroom: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_HEADROOM))
-    base_share: float | Mapping[str, float] = DEFAULT_BASE_SHARE  # one, or per tier
+    base_share: float | Mapping[str, float] = field(
+        default_factory=lambda: dict(DEFAULT_BASE_SHARE)
+    )  # one for every tier, or per tier
+    floor_s_per_gb_hour: float = 0.0
 
     @classmethod
     def from_dollars(
@@ -182,20 +194,27 @@ class Prices:
         gpu_dollars_per_hour: float = DEFAULT_GPU_DOLLARS_PER_HOUR,
         dollars_per_gb_hour: Mapping[str, float] | None = None,
         headroom: Mapping[str, float] | None = None,
-        base_share: float | Mapping[str, float] = DEFAULT_BASE_SHARE,
+        base_share: float | Mapping[str, float] | None = None,
+        floor_dollars_per_gb_hour: float = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
     ) -> Prices:
         """Convert money to latency at 1 s of latency = 1 s of the GPU's time."""
         dollars = {**DEFAULT_DOLLARS_PER_GB_HOUR, **(dollars_per_gb_hour or {})}
         rent = {tier: 3600 * price / gpu_dollars_per_hour for tier, price in dollars.items()}
-        return cls(rent, {**DEFAULT_HEADROOM, **(headroom or {})}, base_share)
+        if base_share is None or isinstance(base_share, (int, float)):
+            share = dict(DEFAULT_BASE_SHARE) if base_share is None else base_share
+        else:
+            share = {**DEFAULT_BASE_SHARE, **base_share}
+        floor = 3600 * floor_dollars_per_gb_hour / gpu_dollars_per_hour
+        return cls(rent, {**DEFAULT_HEADROOM, **(headroom or {})}, share, floor)
 
     def per_byte_second(self, tier: str, occupancy: float) -> float:
         u = min(max(occupancy, 0.0), MAX_OCCUPANCY)
         congestion = max(0.0, u - self.headroom.get(tier, 0.0)) / (1 - u)
         base = self.base_share
         if not isinstance(base, (int, float)):
-            base = base.get(tier, DEFAULT_BASE_SHARE)
-        return self.rent_s_per_gb_hour[tier] / (GB * 3600) * (base + congestion)
+            base = base.get(tier, DEFAULT_BASE_SHARE.get(tier, 0.0))
+        rent = self.rent_s_per_gb_hour[tier] * (base + congestion) + self.floor_s_per_gb_hour
+        return rent / (GB * 3600)
 
 
 @dataclass(frozen=True)
