@@ -42,13 +42,19 @@ class Ledger:
     def __init__(self, view: PolicyView) -> None:
         self._capacity = {tier.name: tier.capacity_bytes for tier in view.tiers}
         self._used = {tier.name: tier.used_bytes for tier in view.tiers}
+        # a session's chunks are entered when an action first names it: a plan touches a
+        # few sessions of a view that may hold tens of thousands of chunks
+        self._sessions = {session.session_id: session for session in view.sessions}
         self._chunks: dict[ChunkKey, tuple[str | None, int, str]] = {}
         self._session_chunks: dict[str, list[int]] = {}
-        for session in view.sessions:
-            self._session_chunks[session.session_id] = [c.index for c in session.chunks]
-            for chunk in session.chunks:
-                key = (session.session_id, chunk.index)
-                self._chunks[key] = (chunk.tier, chunk.size_bytes, chunk.form)
+
+    def _enter(self, session_id: str) -> None:
+        if session_id in self._session_chunks or session_id not in self._sessions:
+            return
+        chunks = self._sessions[session_id].chunks
+        self._session_chunks[session_id] = [c.index for c in chunks]
+        for chunk in chunks:
+            self._chunks[(session_id, chunk.index)] = (chunk.tier, chunk.size_bytes, chunk.form)
 
     def free(self, tier: str) -> int:
         return max(0, self._capacity[tier] - self._used[tier])
@@ -57,6 +63,7 @@ class Ledger:
         return self._used[tier]
 
     def tier_of(self, key: ChunkKey) -> str | None:
+        self._enter(key[0])
         return self._chunks[key][0]
 
     def apply(self, action: Action) -> None:
@@ -88,6 +95,7 @@ class Ledger:
         return self
 
     def _keys(self, session_id: str, chunk_idx: int | None) -> list[ChunkKey]:
+        self._enter(session_id)
         if session_id not in self._session_chunks:
             raise BudgetError(f"no session {session_id!r} in the view")
         if chunk_idx is None:

@@ -7,24 +7,28 @@ stored (chunk keys are content hashes of token ids, so a stored chunk stays find
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Iterator, Sequence
 
 from kvtier.policy.actions import Action, Drop, Move
 from kvtier.policy.ledger import ChunkKey, Ledger
 from kvtier.policy.view import ChunkView, PolicyView
 
 
-def lru_order(view: PolicyView, now: float, tier: str) -> list[tuple[ChunkKey, ChunkView]]:
+def lru_order(view: PolicyView, now: float, tier: str) -> Iterator[tuple[ChunkKey, ChunkView]]:
     """Chunks in `tier` a policy may move, first victim first: lower priority, then older
-    access, then front chunks; session id breaks ties so the order is deterministic."""
+    access, then front chunks; session id breaks ties so the order is deterministic. Lazy (a
+    heap): a plan usually takes a few victims from a tier holding thousands of chunks."""
     found = [
         (session.priority, chunk.last_access, session.session_id, chunk.index, chunk)
         for session in view.candidates(now)
-        for chunk in session.chunks
+        for chunk in session.stored_chunks()
         if chunk.tier == tier
     ]
-    found.sort(key=lambda item: item[:4])
-    return [((session_id, index), chunk) for _, _, session_id, index, chunk in found]
+    heapq.heapify(found)  # (session id, index) is unique, so ChunkViews are never compared
+    while found:
+        _, _, session_id, index, chunk = heapq.heappop(found)
+        yield (session_id, index), chunk
 
 
 def make_room(

@@ -9,6 +9,7 @@ identified by `(session_id, chunk.index)` and cover the session's tokens in orde
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 # Fastest first. Every list of tiers in this package is in this order.
@@ -78,6 +79,12 @@ class SessionView:
         return self.ttl_s is not None and self.idle_s(now) < self.ttl_s
 
     def stored_chunks(self) -> tuple[ChunkView, ...]:
+        return self._stored
+
+    @cached_property
+    def _stored(self) -> tuple[ChunkView, ...]:
+        # views are frozen and the simulator reuses a session's view until it changes, so
+        # policies asking again on every decision get this without walking the chunks
         return tuple(chunk for chunk in self.chunks if chunk.tier is not None)
 
 
@@ -144,8 +151,13 @@ class PolicyView:
 
     def candidates(self, now: float) -> tuple[SessionView, ...]:
         """Sessions a policy may act on: idle, not pinned, past any TTL override, holding KV."""
-        return tuple(
+        memo = self.__dict__.get("_candidates")
+        if memo is not None and memo[0] == now:
+            return memo[1]  # policies ask once per tier; the answer only depends on `now`
+        found = tuple(
             session
             for session in self.sessions
             if not session.protected(now) and session.stored_chunks()
         )
+        self.__dict__["_candidates"] = (now, found)
+        return found
