@@ -44,15 +44,18 @@ class TtlPolicy(RetentionPolicy):
         ledger = Ledger(view)
         chain = view.tier_names
         actions: list[Action] = []
-        expired = [
-            (now - chunk.last_access, session, chunk)
-            for session in view.candidates(now)
-            for chunk in session.stored_chunks()
-        ]
+        expired = []
+        for session in view.candidates(now):
+            for chunk in session.stored_chunks():
+                age = now - chunk.last_access
+                target = self._target(session, age, chain)
+                # only chunks past their tier's TTL act; a plan only ever moves chunks down,
+                # so one whose target is not below where the view has it stays put
+                if target is None or TIER_RANK[target] > TIER_RANK[chunk.tier]:
+                    expired.append((age, session, chunk, target))
         # oldest first, so when space is short the stalest chunks are the ones that move
         expired.sort(key=lambda item: (-item[0], item[1].session_id, item[2].index))
-        for age, session, chunk in expired:
-            target = self._target(session, age, chain)
+        for _, session, chunk, target in expired:
             key = (session.session_id, chunk.index)
             current = ledger.tier_of(key)
             if current is None or (target is not None and TIER_RANK[target] <= TIER_RANK[current]):
