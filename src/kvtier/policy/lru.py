@@ -22,8 +22,7 @@ def lru_order(view: PolicyView, now: float, tier: str) -> Iterator[tuple[ChunkKe
     found = [
         (session.priority, chunk.last_access, session.session_id, chunk.index, chunk)
         for session in view.candidates(now)
-        for chunk in session.stored_chunks()
-        if chunk.tier == tier
+        for chunk in session.chunks_in(tier)
     ]
     heapq.heapify(found)  # (session id, index) is unique, so ChunkViews are never compared
     while found:

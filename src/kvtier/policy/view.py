@@ -81,6 +81,16 @@ class SessionView:
     def stored_chunks(self) -> tuple[ChunkView, ...]:
         return self._stored
 
+    def chunks_in(self, tier: str) -> tuple[ChunkView, ...]:
+        return self._by_tier.get(tier, ())
+
+    @cached_property
+    def _by_tier(self) -> dict[str, tuple[ChunkView, ...]]:
+        by_tier: dict[str, list[ChunkView]] = {}
+        for chunk in self._stored:
+            by_tier.setdefault(chunk.tier, []).append(chunk)
+        return {tier: tuple(chunks) for tier, chunks in by_tier.items()}
+
     @cached_property
     def _stored(self) -> tuple[ChunkView, ...]:
         # views are frozen and the simulator reuses a session's view until it changes, so
