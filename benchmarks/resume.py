@@ -1,7 +1,8 @@
 """TTFT of a resumed long session: KV restored from host, disk, Redis, or recomputed.
 
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
-        --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1]
+        --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
+        [--form full,int8,int4]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -14,9 +15,17 @@ One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
   flushed, and turn 2 (the history + 16 new tokens, new ones per source) is timed.
 
 TTFT = first token time - arrival; it includes the prefetch started at arrival, the restore
-(loads + writes into the pool) and the prefill of the 17 tokens not restored. Medians of the
-repeats are reported, with where the prompt tokens came from. Disk reads come from the page
-cache (the segments were just written). Starts its own redis-server unless --redis-url.
+(loads, decoding a quantized form, writes into the pool) and the prefill of the 17 tokens not
+restored. Medians of the repeats are reported, with where the prompt tokens came from and the
+bytes the session occupied in the tier (the tier's own `used_bytes` after the move). Disk
+reads come from the page cache (the segments were just written). Starts its own redis-server
+unless --redis-url.
+
+`--form`: the forms to compare (`TiersConfig.forms`): "full" stores every tier in full
+precision; "int8" / "int4" store disk and remote in that form (host stays full), encoded on
+the mover's worker as the chunk is demoted from host. Each repeat runs every form in turn.
+For each quantized form the cost of encoding and decoding one 256-token chunk of real KV
+(the first 16 blocks of the pool after the runs) is timed too, medians of 7.
 """
 
 from __future__ import annotations
@@ -27,28 +36,33 @@ import random
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from local_redis import start_redis
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
+from kvtier.cache.forms import ChunkForms
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move
+from kvtier.tiers import Payload
 
 MIB = 1 << 20
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
-def all_tiers(workdir: Path, redis_url: str) -> TiersConfig:
+def all_tiers(workdir: Path, redis_url: str, form: str = "full") -> TiersConfig:
     return TiersConfig(
         host_bytes=512 * MIB,
         disk_bytes=1024 * MIB,
         disk_dir=workdir / "disk",
         redis_url=redis_url,
         redis_bytes=1024 * MIB,
+        redis_prefix=f"kvt-{workdir.name}",  # a fresh budget count per run
         redis_timeout_s=5.0,
+        forms={"disk": form},  # remote inherits it
     )
 
 
@@ -75,7 +89,8 @@ def recompute(engine: Engine, tokens: int, seed: int) -> RequestOutput:
 
 def restores(
     engine: Engine, tiers: TiersConfig, tokens: int, seed: int, sources: list[str]
-) -> dict[str, RequestOutput]:
+) -> dict[str, tuple[RequestOutput, int]]:
+    """Per source: the resumed turn's output and the bytes the session held in that tier."""
     r = random.Random(seed)
     connector = attach_connector(engine, tiers, "retain")
     session = f"bench-{seed}"
@@ -86,10 +101,27 @@ def restores(
         connector.runner.execute(Move(session, None, source))
         if not connector.flush(timeout=120):
             raise RuntimeError(f"moving the session to {source} did not finish")
+        stored = connector.store.tiers[source].used_bytes
         # the next turn has no session id, so the runner keeps turn 1's keys for the next move
-        outputs[source] = timed(engine, history + ids(r, 16))
+        outputs[source] = (timed(engine, history + ids(r, 16)), stored)
     attach_connector(engine, None)
     return outputs
+
+
+def codec_ms(engine: Engine, form: str, repeats: int = 7) -> tuple[float, float]:
+    """Median ms to encode and to decode one 256-token chunk of the pool's KV in `form`."""
+    pool = engine.kv_pool
+    chunk = Payload.of(pool.kv[: 256 // pool.block_size].clone())
+    forms = ChunkForms(pool.block_shape, pool.dtype)
+    encode, decode = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        coded = forms.recode(chunk, form)
+        encode.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        forms.restore(coded)
+        decode.append(time.perf_counter() - start)
+    return statistics.median(encode) * 1000, statistics.median(decode) * 1000
 
 
 def main() -> None:
@@ -98,6 +130,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--redis-url")
+    parser.add_argument(
+        "--form", default="full", help="comma-separated forms of disk and remote: full,int8,int4"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-resume-"))
@@ -110,23 +145,37 @@ def main() -> None:
             kv_cache_bytes=256 * MIB, max_model_len=args.tokens + 64, num_threads=args.threads
         )
     )
+    forms = args.form.split(",")
     tiered = ["host", "disk", "remote"]
-    sources = ["recompute", *tiered]
-    results: dict[str, dict] = {s: {"ttft_s": [], "sources": None} for s in sources}
+    # "disk" for full precision, "disk int8" for a quantized form
+    sources = ["recompute"] + [
+        f"{t} {form}" if form != "full" and t != "host" else t for form in forms for t in tiered
+    ]
+    sources = list(dict.fromkeys(sources))  # host appears once per form otherwise
+    results: dict[str, dict] = {
+        s: {"ttft_s": [], "sources": None, "stored_bytes": []} for s in sources
+    }
 
-    def record(repeat: int, source: str, out: RequestOutput) -> None:
+    def record(repeat: int, source: str, out: RequestOutput, stored: int | None = None) -> None:
         where = {k: v for k, v in out.metrics.prompt_token_sources.items() if v}
         results[source]["ttft_s"].append(out.metrics.ttft_s)
         results[source]["sources"] = where
-        print(f"repeat {repeat} {source:9s} ttft {out.metrics.ttft_s * 1000:8.1f} ms  {where}")
+        if stored is not None:
+            results[source]["stored_bytes"].append(stored)
+        print(f"repeat {repeat} {source:11s} ttft {out.metrics.ttft_s * 1000:8.1f} ms  {where}")
 
     try:
         for repeat in range(args.repeats):
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
-            tiers = all_tiers(workdir / str(repeat), redis_url)
-            outs = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
-            for source in tiered:
-                record(repeat, source, outs[source])
+            for form in forms:
+                tiers = all_tiers(workdir / f"{repeat}-{form}", redis_url, form)
+                outs = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
+                for tier in tiered:
+                    source = f"{tier} {form}" if form != "full" and tier != "host" else tier
+                    if tier == "host" and form != forms[0]:
+                        continue  # the same host restore in every form: counted once
+                    record(repeat, source, *outs[tier])
+        codecs = {form: codec_ms(engine, form) for form in forms if form != "full"}
     finally:
         engine.close()
         if redis_process is not None:
@@ -137,13 +186,20 @@ def main() -> None:
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
         f"thread(s), medians of {args.repeats}\n"
     )
-    print("| restored from | median TTFT (ms) | vs recompute | prompt tokens by source |")
-    print("|---|---|---|---|")
+    print(
+        "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
+        "| prompt tokens by source |"
+    )
+    print("|---|---|---|---|---|")
     for source in sources:
         median = statistics.median(results[source]["ttft_s"])
         results[source]["median_ttft_ms"] = median * 1000
         where = results[source]["sources"]
-        print(f"| {source} | {median * 1000:.1f} | {base / median:.2f}x | {where} |")
+        stored = results[source]["stored_bytes"]
+        held = f"{statistics.median(stored):,.0f}" if stored else ""
+        print(f"| {source} | {median * 1000:.1f} | {base / median:.2f}x | {held} | {where} |")
+    for form, (encode, decode) in codecs.items():
+        print(f"\n{form}: encode {encode:.1f} ms, decode {decode:.1f} ms per 256-token chunk")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
@@ -152,6 +208,8 @@ def main() -> None:
                     "tokens": args.tokens,
                     "repeats": args.repeats,
                     "threads": args.threads,
+                    "forms": forms,
+                    "codec_ms_per_chunk": codecs,
                     "results": results,
                 },
                 indent=2,

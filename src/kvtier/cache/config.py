@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -12,6 +13,10 @@ if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
 
 RestoreMode = Literal["load", "plan", "recompute"]
+
+TIER_NAMES = ("host", "disk", "remote")  # top first
+# The forms a tier can store chunks in (kvtier.cache.forms), most precise first.
+FORM_PRECISION = {"full": 2, "int8": 1, "int4": 0}
 
 
 @dataclass
@@ -30,6 +35,10 @@ class TiersConfig:
     Spills and writes down the cascade run on background workers: `spill_queue` bounds the
     chunks staged in host memory waiting for them (a spill that finds it full is dropped and
     the KV recomputed later); a failed copy is tried `retries` more times, then it is a miss.
+    `forms`: the form each tier stores chunks in, e.g. {"disk": "int8", "remote": "int4"}
+    ("full", "int8", "int4"; see docs/cache.md "Forms"). A tier not listed keeps the form of
+    the tier above it (the top tier: "full"); a tier may not be more precise than the one
+    above it. Chunks are encoded on the mover's worker as they enter the tier.
     """
 
     host_bytes: int = 1 << 30
@@ -50,6 +59,14 @@ class TiersConfig:
     spill_queue: int = 16
     retries: int = 2
     cost_profile: CostProfile | None = None
+    forms: Mapping[str, str] = field(default_factory=dict)
+
+    def tier_forms(self) -> dict[str, str]:
+        """The form of each of host, disk and remote, unlisted ones filled in."""
+        resolved, above = {}, "full"
+        for name in TIER_NAMES:
+            above = resolved[name] = self.forms.get(name, above)
+        return resolved
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "redis_bytes"):
@@ -72,3 +89,31 @@ class TiersConfig:
             raise KvtierError("tiers.disk_bytes needs tiers.disk_dir")
         if not (self.host_bytes or (self.disk_bytes and self.disk_dir) or self.redis_url):
             raise KvtierError("tiers: configure at least one of host, disk, redis")
+        self._check_forms()
+
+    def _check_forms(self) -> None:
+        if not isinstance(self.forms, Mapping):
+            raise KvtierError(
+                "tiers.forms must map tier names to forms, e.g. {'disk': 'int8'}, "
+                f"got {self.forms!r}"
+            )
+        for tier, form in self.forms.items():
+            if tier not in TIER_NAMES:
+                raise KvtierError(
+                    f"tiers.forms: unknown tier {tier!r}; the tiers are {', '.join(TIER_NAMES)}"
+                )
+            if form not in FORM_PRECISION:
+                raise KvtierError(
+                    f"tiers.forms[{tier!r}]: unknown form {form!r}; "
+                    f"the forms are {', '.join(FORM_PRECISION)}"
+                )
+        above_name, above = "host", "full"
+        for tier in TIER_NAMES:
+            form = self.forms.get(tier, above)
+            if FORM_PRECISION[form] > FORM_PRECISION[above]:
+                raise KvtierError(
+                    f"tiers.forms: {tier} stores {form}, more precise than {above} in {above_name} "
+                    f"above it; precision lost higher up cannot come back, so give {tier} "
+                    f"{above} or a less precise form"
+                )
+            above_name, above = tier, form

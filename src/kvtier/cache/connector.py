@@ -15,11 +15,14 @@ In the spirit of vLLM's KV connector, the engine calls it at fixed points:
   through `extend_prefix` like any resumed prefix.
 - `on_request_added`: the prefix lookup a resumed turn will do, done early; loads of the
   stored chunks after the device hits start in the background (prefetch).
-- `extend_prefix` (from the scheduler's admission): after the device-hit blocks, keep walking
-  the key chain in the store; each chunk found is loaded (the prefetch, waited for until the
-  deadline, else a synchronous load), checked, and written into fresh device blocks that are
-  registered in the prefix cache. A missing, corrupt or late chunk ends the restored prefix;
-  the rest is recomputed, so a failing tier costs time, never correctness.
+- `extend_prefix` (from the scheduler's admission): after the device-hit blocks, the stored
+  chunks the restore will load (all, or the restore plan's) are found; those continuing the
+  prefix are loaded now (the prefetch, waited for until the deadline, else a synchronous
+  load), checked, and written into fresh device blocks registered in the prefix cache.
+  Chunks after a recomputed run (a hole, the front of a bidirectional plan) stay pending.
+- `restore_boundary` / `continue_restore` (from the scheduler, each step): the prefill stops
+  where the next pending load starts; the load then fills the blocks after it. A missing,
+  corrupt or late chunk is recomputed, so a failing tier costs time, never correctness.
 - `on_admitted`: the prompt tokens' sources (device / host / disk / remote / recomputed)
   go onto the request's metrics and the connector's counters.
 - `on_request_finished`: a session's block keys are remembered, chunked, for the policy
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from kvtier.cache.forms import FULL, ChunkForms, Restored, lossiest
 from kvtier.cache.policy_runner import PolicyRunner
 from kvtier.cache.writes import BackgroundWrites
 from kvtier.engine.request import Request
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
     from kvtier.policy.base import RetentionPolicy
     from kvtier.policy.config import PolicyConfig
+    from kvtier.policy.restore import RestorePlan
     from kvtier.tiers.mover import Prefetch
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,15 @@ class TieredConnector:
         config = engine.config
         tiers_config = config.tiers
         assert tiers_config is not None
+        if getattr(config, "kv_quant", None) is not None:
+            from kvtier.errors import KvtierError
+
+            # a packed pool's blocks are quantized already; chunks here are gathered and
+            # restored as full-precision blocks (EngineConfig refuses the same combination)
+            raise KvtierError(
+                "kv_quant with tiers is not supported yet: the tiered connector copies "
+                "full-precision blocks; use kv_quant=None with tiers"
+            )
         self.engine = engine
         self.config = tiers_config
         self.block_pool = engine.block_pool
@@ -84,10 +98,20 @@ class TieredConnector:
             )
         self.blocks_per_chunk = tiers_config.chunk_tokens // self.block_size
         self.bytes_per_block = self.kv_pool.bytes_per_block
+        self.chunk_forms = ChunkForms(self.kv_pool.block_shape, self.kv_pool.dtype)
+        tiers = self._build_tiers()
+        # tier -> the quantized form its chunks are stored in (the worker encodes on the way in)
+        self.tier_forms = {
+            tier.name: form
+            for tier in tiers
+            if (form := tiers_config.tier_forms()[tier.name]) != FULL
+        }
         self.store = TieredStore(
-            self._build_tiers(),
+            tiers,
             block_tokens=self.block_size,
             chunk_tokens=tiers_config.chunk_tokens,
+            forms=self.tier_forms,
+            recode=self.chunk_forms.recode,
         )
         self.mover = Mover(
             self.store, spill_queue=tiers_config.spill_queue, retries=tiers_config.retries
@@ -103,6 +127,8 @@ class TieredConnector:
         # keys of blocks restored from a tier and not yet counted at an admission -> tier
         self._restored_from: dict[bytes, str] = {}
         self._prefetches: dict[str, tuple[Prefetch, dict[bytes, int]]] = {}
+        # request id -> loads after a recomputed run, (chunk, first block, end block)
+        self._pending: dict[str, list[tuple[Chunk, int, int]]] = {}
         self._suppress_spill = False
         self._closed = False
         self._lock = threading.Lock()
@@ -118,7 +144,9 @@ class TieredConnector:
             sealer = Sealer(c.encrypt_key or os.urandom(32))
         tiers: list[TierBackend] = []
         if c.host_bytes:
-            tiers.append(HostTier(c.host_bytes, slot_bytes=self.bytes_per_block))
+            # a slot per block in the host's form, so a chunk of whole blocks wastes nothing
+            slot = self.chunk_forms.nbytes(1, c.tier_forms()["host"])
+            tiers.append(HostTier(c.host_bytes, slot_bytes=slot))
         if c.disk_bytes and c.disk_dir is not None:
             tiers.append(DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer))
         if c.redis_url:
@@ -146,13 +174,22 @@ class TieredConnector:
     def locate(self, chunk_id: bytes) -> str | None:
         """The tier a chunk is in, or being written to; None when it is not (or is being
         deleted)."""
+        where = self.locate_form(chunk_id)
+        return where[0] if where is not None else None
+
+    def locate_form(self, chunk_id: bytes) -> tuple[str, str] | None:
+        """(tier, form) of a chunk stored or being written (the form it will have there)."""
         staged = self.writes.staged(chunk_id)
         if staged is not None:
-            return staged[1]
+            return staged.tier, lossiest(staged.form, self.tier_forms.get(staged.tier, FULL))
         if self.writes.deleting(chunk_id):
             return None
         placement = self.store.locate(chunk_id)
-        return placement.tier if placement is not None else None
+        return (placement.tier, placement.form) if placement is not None else None
+
+    def form_of(self, block_ids: list[int]) -> str:
+        """The least precise form among these device blocks (restored ones keep theirs)."""
+        return lossiest(*(self.block_pool.forms[b] for b in block_ids))
 
     def find_stored_chunk(
         self, keys: list[bytes], chunk_index: int, namespace: str, covering: int
@@ -169,21 +206,6 @@ class TieredConnector:
             if self.locate(chunk.id) is not None:
                 return chunk
         return None
-
-    def _stored_chain(self, request: Request, start: int) -> list[Chunk]:
-        """Stored chunks continuing the prefix from block `start` (no loads)."""
-        keys = request.keys_of_full_blocks(self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        namespace = self.namespace_of(request)
-        chunks = []
-        pos = start
-        while pos < max_blocks:
-            chunk = self.find_stored_chunk(keys, pos // self.blocks_per_chunk, namespace, pos)
-            if chunk is None:
-                break
-            chunks.append(chunk)
-            pos = (pos // self.blocks_per_chunk) * self.blocks_per_chunk + len(chunk.keys)
-        return chunks
 
     def gather(self, block_ids: list[int]) -> Payload:
         """The blocks' KV as one contiguous payload ([n, *block_shape], one copy)."""
@@ -228,6 +250,7 @@ class TieredConnector:
         # The gather is the copy out of the device block, so the pool may reuse the block as
         # soon as this returns; the tier write happens on the mover's worker.
         payload = self.gather(ids)
+        form = self.form_of(ids)
         kind = "swapped" if info.swap else "spilled"
         blocks = len(ids)
 
@@ -239,7 +262,7 @@ class TieredConnector:
             else:
                 self.counters["spill_failures"] += 1  # dropped (queue full) or failed
 
-        self.writes.put(chunk, payload, None, done)
+        self.writes.put(chunk, payload, None, done, form)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every queued background write; False if some are still running after
@@ -265,130 +288,234 @@ class TieredConnector:
         # chunks still being written are read from their staged bytes, not prefetched
         ids = [
             chunk.id
-            for chunk in self._stored_chain(request, start)
+            for chunk, _, _ in self._restore_loads(request, start, for_prefetch=True)
             if self.writes.staged(chunk.id) is None
         ]
         if not ids:
             return
-        handle = self.mover.prefetch(ids)
+        # decoding a quantized chunk runs on the prefetch worker too
+        handle = self.mover.prefetch(ids, then=self._restore)
         self._prefetches[request.request_id] = (handle, {cid: i for i, cid in enumerate(ids)})
         self.counters["prefetched_chunks"] += len(ids)
 
     def extend_prefix(self, request: Request, cached: list[int]) -> list[int]:
-        """Device-hit blocks `cached`, extended with blocks restored from the tiers."""
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        """Device-hit blocks `cached`, extended with blocks restored from the tiers.
+
+        Only the loads that continue the prefix happen here; loads after a run of blocks the
+        plan recomputes (a hole, or the front of a bidirectional plan) wait in `_pending`
+        until the prefill reaches them (`continue_restore`)."""
+        self._pending.pop(request.request_id, None)
+        max_blocks = (request.num_tokens - 1) // self.block_size
         start = len(cached)
         if start >= max_blocks or self.config.restore == "recompute" or not self._anything_stored():
             return cached
-        chunks = self._stored_chain(request, start)
-        if not chunks or (
-            self.config.restore == "plan" and not self._plan_says_load(chunks, start)
-        ):
-            self._forget_prefetch(request.request_id)
+        loads = self._restore_loads(request, start)
+        leading = []
+        while loads and loads[0][1] == start + sum(end - first for _, first, end in leading):
+            leading.append(loads.pop(0))
+        if loads:
+            self._pending[request.request_id] = loads
+        if not leading:
+            if not loads:
+                self._forget_prefetch(request.request_id)
             return cached
-        deadline = _now() + self.config.restore_deadline_s
-        keys = request.keys_of_full_blocks(bs)
         pool = self.block_pool
         pool.touch(cached)  # the device hits must survive the allocations below
         restored: list[int] = []
         try:
-            pos = start
-            for chunk in chunks:
-                first = (pos // self.blocks_per_chunk) * self.blocks_per_chunk
-                end = min(first + len(chunk.keys), max_blocks)
-                need = end - pos
-                if need <= 0 or need > pool.num_allocatable:
+            for i, (chunk, first, end) in enumerate(leading):
+                ids = self._restore_chunk(request, chunk, first, end)
+                if ids is None:  # recompute it; what follows waits for the prefill
+                    loads[:0] = leading[i + 1 :]
+                    if loads:
+                        self._pending[request.request_id] = loads
                     break
-                payload, tier = self._load(request.request_id, chunk, deadline)
-                tensor = self._check(payload, len(chunk.keys))
-                if tensor is None or tier is None:
-                    self.counters["restore_failures"] += 1
-                    break
-                ids = pool.allocate(need)
                 restored.extend(ids)
-                for j, block_id in zip(range(pos, end), ids, strict=True):
-                    with torch.inference_mode():
-                        self.kv_pool.kv[block_id].copy_(tensor[j - first])
-                    if pool.cache_block(block_id, keys[j]):
-                        self._restored_from[keys[j]] = tier
-                self.counters["restored_chunks"] += 1
-                self.counters["restored_blocks"] += need
-                self.counters[f"restored_blocks_{tier}"] += need
-                pos = end
-                if pos < first + self.blocks_per_chunk:
-                    break  # a short chunk ends what is stored on this grid
         finally:
             pool.release(restored[::-1])
             pool.release(cached[::-1])
-            self._forget_prefetch(request.request_id)
+            if request.request_id not in self._pending:
+                self._forget_prefetch(request.request_id)
         if not restored:
             return cached
         return self.engine.kv_manager.find_cached_prefix(request)
 
+    def restore_boundary(self, request: Request) -> int | None:
+        """Token position where the request's next pending load starts: its prefill must stop
+        there so the load, not the model, fills what follows."""
+        pending = self._pending.get(request.request_id)
+        return pending[0][1] * self.block_size if pending else None
+
+    def continue_restore(self, request: Request) -> int:
+        """Load the pending chunks that start where the request's prefill has got to, into
+        fresh blocks appended to its block table. Returns the tokens restored (the caller
+        advances nothing: `num_computed_tokens` is moved here). A failed load is skipped: its
+        blocks are recomputed, and the loads after it wait for the prefill again."""
+        pending = self._pending.get(request.request_id)
+        if not pending:
+            return 0
+        bs = self.block_size
+        kv = self.engine.kv_manager
+        restored_tokens = 0
+        while pending and pending[0][1] * bs == request.num_computed_tokens:
+            chunk, first, end = pending.pop(0)
+            ids = self._restore_chunk(request, chunk, first, end)
+            if ids is None:
+                continue  # recompute this chunk; the boundary moves to the next load
+            if not kv.append_computed(request, ids):
+                self.block_pool.release(ids[::-1])
+                break
+            tokens = len(ids) * bs
+            request.num_computed_tokens += tokens
+            restored_tokens += tokens
+            self._count_late_restore(request, first, end)
+        while pending and pending[0][1] * bs < request.num_computed_tokens:
+            pending.pop(0)  # the prefill went past it (an allocation failed): recomputed
+        if not pending:
+            self._pending.pop(request.request_id, None)
+            self._forget_prefetch(request.request_id)
+        return restored_tokens
+
+    def _count_late_restore(self, request: Request, first: int, end: int) -> None:
+        """Move restored blocks [first, end) from `recomputed` to their tier in the request's
+        sources (set at admission, before these loads happened)."""
+        keys = request.keys_of_full_blocks(self.block_size)[first:end]
+        tiers = Counter(self._restored_from.pop(key, "device") for key in keys)
+        sources = request.metrics.prompt_token_sources
+        for tier, blocks in tiers.items():
+            n = blocks * self.block_size
+            if sources is not None and sources.get("recomputed", 0) >= n:
+                sources[tier] = sources.get(tier, 0) + n
+                sources["recomputed"] -= n
+                self.tokens[tier] += n
+                self.tokens["recomputed"] -= n
+        self.counters["restored_blocks_after_recompute"] += end - first
+
+    def _restore_chunk(
+        self, request: Request, chunk: Chunk, first: int, end: int
+    ) -> list[int] | None:
+        """Blocks [first, end) of the request from `chunk`, loaded into fresh device blocks
+        registered in the prefix cache (held by the caller), or None when the load failed."""
+        pool = self.block_pool
+        need = end - first
+        if need <= 0 or need > pool.num_allocatable:
+            return None
+        deadline = _now() + self.config.restore_deadline_s
+        loaded, tier = self._load(request.request_id, chunk, deadline)
+        if loaded is None or tier is None or loaded.blocks.shape[0] != len(chunk.keys):
+            self.counters["restore_failures"] += 1
+            return None
+        keys = request.keys_of_full_blocks(self.block_size)
+        grid = (first // self.blocks_per_chunk) * self.blocks_per_chunk
+        blocks = loaded.blocks.to(self.kv_pool.kv.device)
+        ids = pool.allocate(need)
+        for j, block_id in zip(range(first, end), ids, strict=True):
+            with torch.inference_mode():
+                self.kv_pool.kv[block_id].copy_(blocks[j - grid])
+            pool.set_form(block_id, loaded.form)  # a block restored lossy is never "exact"
+            if pool.cache_block(block_id, keys[j]):
+                self._restored_from[keys[j]] = tier
+        self.counters["restored_chunks"] += 1
+        self.counters["restored_blocks"] += need
+        self.counters[f"restored_blocks_{tier}"] += need
+        if loaded.form != FULL:
+            self.counters[f"restored_blocks_{loaded.form}"] += need
+        return ids
+
     def _anything_stored(self) -> bool:
         return bool(len(self.store)) or self.writes.staging
 
-    def _plan_says_load(self, chunks: list[Chunk], start: int) -> bool:
+    def _restore_loads(
+        self, request: Request, start: int, for_prefetch: bool = False
+    ) -> list[tuple[Chunk, int, int]]:
+        """The stored chunks after block `start` that the request will load, as (chunk, first
+        block, end block), in prompt order; for a prefetch, in the plan's issue order (a
+        bidirectional plan loads back to front: the chunks next to the recomputed front are
+        needed last).
+
+        `restore="load"` loads every stored chunk; runs of blocks stored nowhere (holes) are
+        recomputed and the loads after them go on. `restore="plan"` follows the restore
+        planner (`policy.restore`): the front it recomputes while the back loads."""
+        keys = request.keys_of_full_blocks(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        namespace = self.namespace_of(request)
+        k = self.blocks_per_chunk
+        found: list[tuple[Chunk, int, int]] = []
+        runs: list[tuple[int, int, Chunk | None]] = []  # every run of blocks, for the planner
+        pos = start
+        while pos < max_blocks:
+            grid_end = min((pos // k + 1) * k, max_blocks)
+            chunk = self.find_stored_chunk(keys, pos // k, namespace, pos)
+            end = grid_end if chunk is None else min((pos // k) * k + len(chunk.keys), grid_end)
+            runs.append((pos, end, chunk))
+            if chunk is not None:
+                found.append((chunk, pos, end))
+                if end < grid_end:
+                    runs.append((end, grid_end, None))  # a short chunk: the rest is a hole
+            pos = grid_end
+        if not found or self.config.restore != "plan":
+            return found
+        plan = self._plan(runs, count=not for_prefetch)
+        chosen = {runs[i][0]: i for i in plan.loads}
+        loads = [entry for entry in found if entry[1] in chosen]
+        if for_prefetch:
+            loads.sort(key=lambda entry: plan.loads.index(chosen[entry[1]]))
+        return loads
+
+    def _plan(self, runs: list[tuple[int, int, Chunk | None]], count: bool) -> RestorePlan:
         from kvtier.policy.restore import plan_restore
         from kvtier.policy.view import ChunkView
 
-        views = []
-        pos = start
-        for chunk in chunks:
-            first = (pos // self.blocks_per_chunk) * self.blocks_per_chunk
-            end = first + len(chunk.keys)
-            views.append(
-                ChunkView(
-                    index=first // self.blocks_per_chunk,
-                    token_start=pos * self.block_size,
-                    token_end=end * self.block_size,
-                    tier=self.locate(chunk.id),
-                    size_bytes=len(chunk.keys) * self.bytes_per_block,
-                )
+        bs = self.block_size
+        views = [
+            ChunkView(
+                index=i,
+                token_start=first * bs,
+                token_end=end * bs,
+                tier=None if chunk is None else self.locate(chunk.id),
+                size_bytes=(end - first) * self.bytes_per_block,
             )
-            pos = end
+            for i, (first, end, chunk) in enumerate(runs)
+        ]
         plan = plan_restore(views, self.runner.cost_model)
-        self.counters[f"restore_plan_{plan.kind}"] += 1
-        return plan.kind != "recompute"
+        if count:
+            self.counters[f"restore_plan_{plan.kind}"] += 1
+        return plan
 
     def _load(
         self, request_id: str, chunk: Chunk, deadline: float
-    ) -> tuple[Payload | None, str | None]:
-        """The chunk's payload and the tier it counts as restored from.
+    ) -> tuple[Restored | None, str | None]:
+        """The chunk in the pool's dtype and the form it was stored in (None: missing,
+        corrupt, not this pool's blocks, or late), and the tier it counts as restored from.
 
-        In order: its prefetch (waited for until the deadline), the staged bytes of a write
-        still in flight (no waiting for the tier), a load now (retried `retries` times)."""
+        In order: its prefetch (waited for until the deadline; decoded on the worker), the
+        staged bytes of a write still in flight (no waiting for the tier), a load now
+        (retried `retries` times)."""
         prefetch = self._prefetches.get(request_id)
         if prefetch is not None and chunk.id in prefetch[1]:
             handle, index = prefetch
             placement = self.store.locate(chunk.id)
-            results = handle.result(timeout=max(0.0, deadline - _now()))
-            payload = results[index[chunk.id]]
-            if payload is None and not handle.done():
+            loaded, finished = handle.entry(index[chunk.id], max(0.0, deadline - _now()))
+            if loaded is None and not finished:
                 self.counters["restore_late"] += 1
-            if payload is not None:
+            if loaded is not None:
                 self.counters["restored_chunks_prefetched"] += 1
-            return payload, placement.tier if placement is not None else None
+            return loaded, placement.tier if placement is not None else None
         staged = self.writes.staged(chunk.id)
         if staged is not None:
             self.counters["restored_chunks_staged"] += 1
-            return staged
+            loaded = self._restore(staged.payload)
+            return (loaded._replace(form=staged.form) if loaded else None), staged.tier
         placement = self.store.locate(chunk.id)
         if placement is None:
             return None, None
-        return self.store.promote(chunk.id, attempts=1 + self.config.retries), placement.tier
+        payload = self.store.promote(chunk.id, attempts=1 + self.config.retries)
+        return self._restore(payload), placement.tier
 
-    def _check(self, payload: Payload | None, num_blocks: int) -> torch.Tensor | None:
-        """The payload as [num_blocks, *block_shape] in the pool's dtype, or None."""
-        if payload is None or payload.data is None or payload.form != "full":
-            return None
-        expected = (num_blocks, *self.kv_pool.block_shape)
-        dtype = str(self.kv_pool.dtype).removeprefix("torch.")
-        if tuple(payload.shape) != expected or payload.dtype != dtype:
-            return None
+    def _restore(self, payload: Payload | None) -> Restored | None:
+        """`ChunkForms.restore`, with bytes that do not decode counted as a miss."""
         try:
-            return payload.tensor().to(self.kv_pool.kv.device)
+            return self.chunk_forms.restore(payload)
         except (ValueError, RuntimeError):
             return None
 
@@ -407,6 +534,7 @@ class TieredConnector:
         self.tokens.update(sources)
 
     def on_request_finished(self, request: Request) -> None:
+        self._pending.pop(request.request_id, None)
         self._forget_prefetch(request.request_id)
         keys = self._remember_chunks(request, swap=False)
         if keys and request.session_id is not None:
@@ -418,6 +546,7 @@ class TieredConnector:
         """Called by the scheduler before it releases a preempted request's blocks: with
         `swap_on_preempt` they are spilled when the pool reuses them (swap-out), whatever
         the policy, and come back through `extend_prefix` at re-admission."""
+        self._pending.pop(request.request_id, None)  # re-planned at re-admission
         if self.config.swap_on_preempt:
             self._remember_chunks(request, swap=True)
             self.counters["preempted_requests"] += 1
@@ -462,6 +591,10 @@ class TieredConnector:
             name: {"ops": move["ops"], "bytes": move["bytes"], "failures": move["failures"]}
             for name, move in snapshot["moves"].items()
         }
+        recodes = {
+            name: {"ops": r["ops"], "bytes_in": r["bytes"], "seconds": r["latency"]["sum_s"]}
+            for name, r in snapshot["recodes"].items()
+        }
         return {
             "policy": self.runner.policy_name,
             "tokens": dict(self.tokens),
@@ -470,6 +603,8 @@ class TieredConnector:
             "counters": dict(self.counters),
             "tiers": tiers,
             "moves": moves,
+            "forms": dict(self.tier_forms),
+            "recodes": recodes,
             "mover": {**self.mover.counts, "writes_in_flight": self.writes.in_flight},
         }
 

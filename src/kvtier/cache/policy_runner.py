@@ -8,7 +8,9 @@ snapshot (sessions, their chunks and where each lives, tier budgets, the waiting
 - `Move(session, chunk, tier)`: a chunk on the device is copied out as ONE payload (all its
   blocks, one gather into host memory) and its idle device blocks are freed; the write into
   `tier` runs on the mover's worker. A chunk already in a lower tier is demoted by the store,
-  also on the worker. Moves up, or of blocks in use, are skipped (counted).
+  also on the worker. Moves up, or of blocks in use, are skipped (counted). The chunk is
+  stored at the less precise of `Move.form` and the tier's form (`TiersConfig.forms`),
+  encoded on the worker; the view shows each chunk's form and its size in that form.
 - `Drop(session, chunk)`: idle device blocks freed, stored copies deleted (in the background).
 - `Keep`: counted.
 
@@ -24,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.cache.forms import lossiest
 from kvtier.policy.actions import Drop, Keep, Move
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.registry import build_policy
@@ -140,15 +143,17 @@ class PolicyRunner:
         pool = c.block_pool
         views = []
         for index, chunk_keys in enumerate(c.chunk_keys(keys)):
-            on_device = sum(1 for k in chunk_keys if pool.lookup(k) is not None)
+            blocks = [b for b in (pool.lookup(k) for k in chunk_keys) if b is not None]
             start = index * c.blocks_per_chunk * c.block_size
             end = start + len(chunk_keys) * c.block_size
-            if on_device:
-                tier, size = "device", on_device * c.bytes_per_block
-            else:
-                tier = c.locate(Chunk(chunk_keys, namespace).id)
-                size = len(chunk_keys) * c.bytes_per_block
-            views.append(ChunkView(index, start, end, tier, size, "full", last_access))
+            # on device: full-precision bytes, though restored ones keep their lossy form
+            tier, form = "device", c.form_of(blocks)
+            size = len(blocks) * c.bytes_per_block
+            if not blocks:
+                where = c.locate_form(Chunk(chunk_keys, namespace).id)
+                tier, form = where if where is not None else (None, "full")
+                size = c.chunk_forms.nbytes(len(chunk_keys), form)
+            views.append(ChunkView(index, start, end, tier, size, form, last_access))
         return tuple(views)
 
     def view(self, reason: str = "timer", bytes_needed: int = 0) -> PolicyView:
@@ -232,11 +237,12 @@ class PolicyRunner:
                 self.skipped["bad_chunk"] += 1
                 continue
             if isinstance(action, Move):
-                self._move(chunks[index], stored.namespace, action.tier)
+                self._move(chunks[index], stored.namespace, action.tier, action.form)
             elif isinstance(action, Drop):
                 self._drop(chunks[index], stored.namespace)
 
-    def _move(self, keys: tuple[bytes, ...], namespace: str, tier: str) -> None:
+    def _move(self, keys: tuple[bytes, ...], namespace: str, tier: str, form: str) -> None:
+        """Move a chunk to `tier`, stored at most as precise as `form` (and the tier's own)."""
         c = self.connector
         pool = c.block_pool
         ids = [pool.lookup(k) for k in keys]
@@ -261,18 +267,18 @@ class PolicyRunner:
                     name = f"policy_moved_bytes_device->{tier}" if ok else "spill_failures"
                     c.counters[name] += nbytes if ok else 1
 
-                c.writes.put(chunk, payload, tier, done)
+                c.writes.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)))
             elif where != tier:
-                self._demote(chunk, tier)
+                self._demote(chunk, tier, form)
             c.drop_device_blocks(
                 self._own_keys([k for k, b in zip(keys, ids, strict=True) if b is not None])
             )
             return
         c.drop_device_blocks(self._own_keys(keys))
         chunk = Chunk(keys, namespace)
-        self._demote(chunk, tier)
+        self._demote(chunk, tier, form)
 
-    def _demote(self, chunk: Chunk, tier: str) -> None:
+    def _demote(self, chunk: Chunk, tier: str, form: str) -> None:
         c = self.connector
         where = c.locate(chunk.id)
         if where is None:
@@ -288,7 +294,7 @@ class PolicyRunner:
             c.counters[name] += nbytes if ok else 1
 
         # Queued behind a put of the same chunk still in flight, so it demotes what landed.
-        c.writes.demote(chunk.id, tier, done)
+        c.writes.demote(chunk.id, tier, done, form)
 
     def _drop(self, keys: tuple[bytes, ...], namespace: str, holders: int = 1) -> None:
         c = self.connector

@@ -18,14 +18,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.tiers import Chunk, Mover, Payload
 
 
-@dataclass(slots=True)
-class _Staged:
+class Staged(NamedTuple):
+    """A put in flight: its bytes (full precision), target tier, and the form those bytes
+    count as (not "full" when they were gathered from blocks restored from a lossy form)."""
+
     payload: Payload
     tier: str
+    form: str
+
+
+@dataclass(slots=True)
+class _Staged:
+    staged: Staged
     future: Future[bool]
 
 
@@ -43,27 +52,31 @@ class BackgroundWrites:
         payload: Payload,
         tier: str | None,
         on_done: Callable[[bool], None],
+        form: str = "full",
     ) -> None:
-        """Store `payload` (a copy the caller will not touch again) in `tier` in the background."""
+        """Store `payload` (a copy the caller will not touch again) in `tier` in the background,
+        at most as precise as `form` (the tier's own form may be less precise still)."""
         self._deleting.pop(chunk.id, None)  # queued after the delete: it runs after it
-        future = self.mover.spill(chunk, payload, tier=tier)
-        self._staged[chunk.id] = _Staged(payload, tier or self.top_tier, future)
+        future = self.mover.spill(chunk, payload, tier=tier, form=form)
+        self._staged[chunk.id] = _Staged(Staged(payload, tier or self.top_tier, form), future)
         self._done.append((future, on_done))
 
-    def demote(self, chunk_id: bytes, to: str, on_done: Callable[[bool], None]) -> None:
-        self._done.append((self.mover.demote(chunk_id, to), on_done))
+    def demote(
+        self, chunk_id: bytes, to: str, on_done: Callable[[bool], None], form: str | None = None
+    ) -> None:
+        self._done.append((self.mover.demote(chunk_id, to, form), on_done))
 
     def delete(self, chunk_id: bytes) -> None:
         self._staged.pop(chunk_id, None)
         self._deleting[chunk_id] = self.mover.delete(chunk_id)
 
-    def staged(self, chunk_id: bytes) -> tuple[Payload, str] | None:
+    def staged(self, chunk_id: bytes) -> Staged | None:
         """The bytes and target tier of a put still in flight (None once it has finished:
         then the store has the chunk, or it failed and the chunk is recomputed)."""
         entry = self._staged.get(chunk_id)
         if entry is None or entry.future.done():
             return None
-        return entry.payload, entry.tier
+        return entry.staged
 
     def deleting(self, chunk_id: bytes) -> bool:
         future = self._deleting.get(chunk_id)

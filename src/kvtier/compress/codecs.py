@@ -5,14 +5,21 @@ head_dim] into a payload and back. These follow KIVI's axes (see `quant.py`): ke
 quantized per channel over the block's tokens, values per token over `value_group` channels.
 The payload is one flat uint8 tensor (codes, then float16 minimums and steps), so a tier
 stores and moves it like any other bytes; a demoted block costs about 1/3.6 (INT4) or 1/1.9
-(INT8) of its bfloat16 size.
+(INT8) of its bfloat16 size. Any number of blocks can be coded at once by folding them into
+the leading (layers) axis: [blocks * layers, 2, kv_heads, block_size, head_dim].
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvtier.compress.quant import Quantized, check_bits, dequantize, quantize
+from kvtier.errors import KvtierError
+
+# (dtype, shape) of the codes, minimums and steps of one quantized half (K or V)
+_Layout = list[tuple[torch.dtype, tuple[int, ...]]]
 
 
 class IntCodec:
@@ -35,21 +42,49 @@ class IntCodec:
         return torch.cat(flat)
 
     def decode(self, payload: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if payload.numel() != self.encoded_nbytes(shape):
+            raise KvtierError(
+                f"{self.form} payload of {payload.numel()} bytes does not hold a block of "
+                f"shape {tuple(shape)} ({self.encoded_nbytes(shape)} bytes)"
+            )
         layers, _, heads, tokens, dim = shape
         half = torch.Size((layers, heads, tokens, dim))
+        out = torch.empty(shape, dtype=dtype)
         offset = 0
-        out = []
-        for group, axis in ((tokens, 2), (min(self.value_group, dim), 3)):
-            template = quantize(torch.zeros(half), self.bits, group, axis)  # shapes only
+        for kv, (group, axis) in enumerate(self._groupings(shape)):
             pieces = []
-            for t in (template.codes, template.minimum, template.step):
-                nbytes = t.numel() * t.element_size()
+            for piece_dtype, piece_shape in self._layout(half, group, axis):
+                nbytes = math.prod(piece_shape) * torch.empty((), dtype=piece_dtype).element_size()
                 raw = payload[offset : offset + nbytes]
-                pieces.append(raw.view(t.dtype).reshape(t.shape))
+                pieces.append(raw.view(piece_dtype).reshape(piece_shape))
                 offset += nbytes
             q = Quantized(*pieces, bits=self.bits, dim=axis, length=half[axis], shape=half)
-            out.append(dequantize(q, dtype))
-        return torch.stack(out, dim=1)
+            out[:, kv] = dequantize(q, dtype)
+        return out
+
+    def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Bytes `encode` returns for a block (or folded blocks) of this shape."""
+        layers, _, heads, tokens, dim = shape
+        half = (layers, heads, tokens, dim)
+        return sum(
+            math.prod(piece_shape) * torch.empty((), dtype=piece_dtype).element_size()
+            for group, axis in self._groupings(shape)
+            for piece_dtype, piece_shape in self._layout(half, group, axis)
+        )
+
+    def _groupings(self, shape: torch.Size | tuple[int, ...]) -> list[tuple[int, int]]:
+        """(group size, axis of the half) for keys, then values: see `encode`."""
+        return [(shape[3], 2), (min(self.value_group, shape[4]), 3)]
+
+    def _layout(self, half: tuple[int, ...], group: int, axis: int) -> _Layout:
+        """What `quantize(x of shape half, bits, group, axis)` returns, without running it."""
+        moved = [n for i, n in enumerate(half) if i != axis]
+        groups = -(-half[axis] // group)
+        return [
+            (torch.uint8, (*moved, groups, group * self.bits // 8)),
+            (torch.float16, (*moved, groups, 1)),
+            (torch.float16, (*moved, groups, 1)),
+        ]
 
 
 class Int8Codec(IntCodec):

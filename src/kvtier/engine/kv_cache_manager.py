@@ -78,6 +78,22 @@ class KVCacheManager:
             table.extend(self.block_pool.allocate(num_new_blocks))
         return True
 
+    def append_computed(self, request: Request, block_ids: Sequence[int]) -> bool:
+        """Append blocks the caller filled (KV restored from a tier) after the request's
+        computed tokens; the caller then advances `num_computed_tokens` over them. Only
+        where the computed tokens end on a block boundary with no block allocated past it:
+        False, changing nothing, otherwise."""
+        table = self.block_tables.get(request.request_id)
+        if table is None or request.request_id in self.num_evicted:
+            return False
+        if self.num_slots(request) != len(table) * self.block_size:
+            return False
+        self.register_full_blocks(request)  # the blocks before these, if not done yet
+        table.extend(block_ids)
+        if self._num_registered.get(request.request_id, 0) == len(table) - len(block_ids):
+            self._num_registered[request.request_id] = len(table)  # the caller cached them
+        return True
+
     def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_cached_tokens

@@ -12,6 +12,10 @@ full blocks stay in the prefix cache, so re-admission usually hits them) and it 
 the front of the waiting queue. With a tiered connector the preemption is a swap-out: the
 connector hears of it first and spills the full blocks the pool then reuses, so
 re-admission restores them through the prefix lookup instead of recomputing them.
+A prompt whose stored history resumes after a recomputed run (a chunk dropped from the tiers,
+or the front of a bidirectional restore plan) has each prefill chunk stopped where the
+connector's next load starts; at the next step the connector appends the loaded blocks and
+moves the request's computed tokens past them.
 """
 
 from __future__ import annotations
@@ -92,7 +96,9 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            if self.connector is not None and request.num_tokens - request.num_computed_tokens > 1:
+                self.connector.continue_restore(request)  # loads waiting for this prefill
+            n = self._prefill_limit(request, budget[0], request.num_computed_tokens)
             while not self.kv.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None or victim is request:
@@ -103,6 +109,15 @@ class Scheduler:
                 out.scheduled.append((request, n))
                 scheduled.add(request.request_id)
                 budget[0] -= n
+
+    def _prefill_limit(self, request: Request, budget: int, computed: int) -> int:
+        """Tokens to compute this step: the rest, within the budget, and never past the point
+        where the connector will load the KV that follows (a restore after a recomputed run)."""
+        n = min(request.num_tokens - computed, budget)
+        boundary = None if self.connector is None else self.connector.restore_boundary(request)
+        if boundary is not None and boundary > computed:
+            n = min(n, boundary - computed)
+        return n
 
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """The most recently admitted running request not already scheduled this step."""
@@ -146,7 +161,7 @@ class Scheduler:
             if self.connector is not None:
                 cached = self.connector.extend_prefix(request, cached)
             num_cached_tokens = len(cached) * self.block_size
-            n = min(request.num_tokens - num_cached_tokens, budget[0])
+            n = self._prefill_limit(request, budget[0], num_cached_tokens)
             if not self.kv.allocate(request, n, cached):
                 if self.running:
                     return  # wait for running requests to release blocks; keep FCFS order

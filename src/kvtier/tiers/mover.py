@@ -9,8 +9,10 @@
   appends a tombstone, a Redis delete is a round trip) leaves the caller's thread. With one
   spill worker (the default) writes run in the order they were queued, so a delete queued
   after a spill of the same chunk wins.
-- `prefetch(chunk_ids)` returns a `Prefetch` whose `result(timeout)` gives what has arrived by
-  the deadline, None for the rest: the caller recomputes those instead of waiting.
+- `prefetch(chunk_ids, then=f)` returns a `Prefetch` whose `result(timeout)` gives what has
+  arrived by the deadline, None for the rest: the caller recomputes those instead of waiting.
+  `then` runs on the worker on each loaded payload (e.g. decoding a quantized chunk), so the
+  caller gets its result ready; a None from it is a miss.
 - A failed copy is retried `retries` times; then a prefetch is a miss (and the store forgets
   the chunk) and a spill reports False.
 - `close(drain=True)` finishes queued work; `close(drain=False)` cancels it (spills report
@@ -27,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.tiers.payload import Payload
 from kvtier.tiers.store import Chunk, TieredStore
@@ -37,17 +40,27 @@ log = logging.getLogger(__name__)
 class Prefetch:
     """Results of one prefetch, filled in as loads finish, in the order the chunks were given."""
 
-    def __init__(self, count: int) -> None:
-        self._results: list[Payload | None] = [None] * count
+    def __init__(self, count: int, then: Callable[[Payload], Any] | None = None) -> None:
+        self._results: list[Any] = [None] * count
+        self.then = then
+        self._resolved = [False] * count
         self._pending = count
         self._done = threading.Condition()
         self.cancelled = False
 
-    def result(self, timeout: float | None = None) -> list[Payload | None]:
+    def result(self, timeout: float | None = None) -> list[Any]:
         """Wait until all loads finish or `timeout` seconds pass; what is not there is None."""
         with self._done:
             self._done.wait_for(lambda: self._pending == 0, timeout)
             return list(self._results)
+
+    def entry(self, index: int, timeout: float | None = None) -> tuple[Any, bool]:
+        """Wait until load `index` finishes or `timeout` seconds pass: (its payload, or what
+        `then` made of it, or None; whether it finished). A restore takes chunks in order as
+        they arrive, without waiting for loads it needs later."""
+        with self._done:
+            self._done.wait_for(lambda: self._resolved[index], timeout)
+            return self._results[index], self._resolved[index]
 
     def done(self) -> bool:
         with self._done:
@@ -57,12 +70,12 @@ class Prefetch:
         """Skip the loads not started yet (after a deadline the caller has moved on)."""
         self.cancelled = True
 
-    def _resolve(self, index: int, payload: Payload | None) -> None:
+    def _resolve(self, index: int, payload: Any) -> None:
         with self._done:
             self._results[index] = payload
+            self._resolved[index] = True
             self._pending -= 1
-            if self._pending == 0:
-                self._done.notify_all()
+            self._done.notify_all()
 
 
 class Mover:
@@ -107,19 +120,21 @@ class Mover:
                 worker.start()
                 self._workers.append((worker, jobs))
 
-    def spill(self, chunk: Chunk, payload: Payload, *, tier: str | None = None) -> Future[bool]:
+    def spill(
+        self, chunk: Chunk, payload: Payload, *, tier: str | None = None, form: str | None = None
+    ) -> Future[bool]:
         """Queue a chunk for storing; the future says whether it was stored (never raises)."""
         store, attempts = self.store, self.attempts
         return self._write(
             "spill",
             chunk.id,
-            lambda: store.put(chunk, payload, tier=tier, attempts=attempts),
+            lambda: store.put(chunk, payload, tier=tier, attempts=attempts, form=form),
         )
 
-    def demote(self, chunk: bytes, to: str | None = None) -> Future[bool]:
-        """Queue `store.demote(chunk, to)`; the future says whether the chunk moved."""
+    def demote(self, chunk: bytes, to: str | None = None, form: str | None = None) -> Future[bool]:
+        """Queue `store.demote(chunk, to, form)`; the future says whether the chunk moved."""
         store = self.store
-        return self._write("demote", chunk, lambda: store.demote(chunk, to))
+        return self._write("demote", chunk, lambda: store.demote(chunk, to, form))
 
     def delete(self, chunk: bytes) -> Future[bool]:
         """Queue `store.delete(chunk)`; the future resolves True once it is gone."""
@@ -148,9 +163,12 @@ class Mover:
             future.set_result(False)
         return future
 
-    def prefetch(self, chunks: Sequence[bytes]) -> Prefetch:
-        """Queue loads of these chunk ids; chunks that find the queue full resolve to None."""
-        handle = Prefetch(len(chunks))
+    def prefetch(
+        self, chunks: Sequence[bytes], then: Callable[[Payload], Any] | None = None
+    ) -> Prefetch:
+        """Queue loads of these chunk ids, each result passed through `then` on the worker;
+        chunks that find the queue full resolve to None."""
+        handle = Prefetch(len(chunks), then)
         for index, chunk in enumerate(chunks):
             with self._lock:
                 queued = not self._closed
@@ -203,15 +221,17 @@ class Mover:
 
     def _run_prefetches(self) -> None:
         while (job := self._prefetches.get()) is not None:
-            payload = None
+            result = None
             try:
                 if not job.handle.cancelled:
                     payload = self.store.promote(job.chunk, attempts=self.attempts)
+                    then = job.handle.then
+                    result = payload if payload is None or then is None else then(payload)
             except Exception:  # see _run_spills
                 log.exception("prefetch of chunk %s failed", job.chunk.hex()[:16])
-            if payload is None:
+            if result is None:
                 self._count("prefetch_misses")
-            job.handle._resolve(job.index, payload)
+            job.handle._resolve(job.index, result)
 
     def _count(self, name: str) -> None:
         with self._counts_lock:

@@ -9,20 +9,24 @@ holding each chunk, and a recency order per tier. It:
   tier's least recently used chunks one tier down (or dropping them from the last tier);
 - demotes (host -> disk -> remote) on request or to make room;
 - promotes: loads a chunk back for the caller, into the caller's buffer when given;
+- stores each tier's chunks in that tier's form (`forms`, e.g. {"disk": "int8"}), converting
+  a payload on its way in with the owner's `recode` (the engine connector quantizes there),
+  on the thread that moves it: the mover's worker;
 - deletes; and follows tiers that drop entries on their own (disk GC, Redis budget) through
   their `on_evict` hook.
 
-It knows nothing about models, and reads only payload sizes, never payload bytes, so the same
-code runs over size-only tiers in the simulator. Tier I/O runs outside the store's lock, so
-spills and prefetches on different chunks overlap.
+It knows nothing about models, and reads only payload sizes, never payload bytes (`recode` is
+the owner's), so the same code runs over size-only tiers in the simulator. Tier I/O runs
+outside the store's lock, so spills and prefetches on different chunks overlap.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -31,6 +35,12 @@ import torch
 from kvtier.tiers.base import EvictListener, TierBackend
 from kvtier.tiers.histogram import LatencyHistogram
 from kvtier.tiers.payload import Payload
+
+log = logging.getLogger(__name__)
+
+# recode(payload, form): the payload in `form`, or unchanged when it is already at most as
+# precise; raises when it cannot read the payload.
+Recode = Callable[[Payload, str], Payload]
 
 CALLER = "caller"  # the other end of puts and promotes (the engine's device memory)
 DROPPED = "dropped"  # where a chunk demoted off the last tier goes
@@ -99,13 +109,25 @@ class MoveStats:
 
 class TieredStore:
     def __init__(
-        self, tiers: Sequence[TierBackend], *, block_tokens: int = 16, chunk_tokens: int = 256
+        self,
+        tiers: Sequence[TierBackend],
+        *,
+        block_tokens: int = 16,
+        chunk_tokens: int = 256,
+        forms: Mapping[str, str] | None = None,
+        recode: Recode | None = None,
     ) -> None:
-        """tiers: top (fastest) first, e.g. [host, disk, remote]; names must differ."""
+        """tiers: top (fastest) first, e.g. [host, disk, remote]; names must differ.
+        forms: tier name -> the form its chunks are stored in (unlisted: as they come);
+        recode converts payloads into a form (needed when forms or a put's form is given)."""
         if not tiers or len({tier.name for tier in tiers}) != len(tiers):
             raise ValueError("the store needs at least one tier, each with its own name")
         if chunk_tokens % block_tokens:
             raise ValueError("chunk_tokens must be a multiple of block_tokens")
+        self.forms = dict(forms or {})
+        if self.forms and recode is None:
+            raise ValueError("tier forms need a recode function")
+        self.recode = recode
         self.tiers = {tier.name: tier for tier in tiers}
         self.order = [tier.name for tier in tiers]
         self.block_tokens = block_tokens
@@ -117,6 +139,7 @@ class TieredStore:
         self._busy: set[bytes] = set()  # chunks being demoted: not picked again meanwhile
         self._lock = threading.RLock()
         self.moves: dict[str, MoveStats] = {}
+        self.recodes: dict[str, MoveStats] = {}  # "full->int8": conversions, input bytes, time
         self.misses = 0  # promotes of chunks the index does not have
         for tier in tiers:
             tier.on_evict = self._evict_listener(tier.name)
@@ -142,15 +165,23 @@ class TieredStore:
     # -- movements -----------------------------------------------------------------------
 
     def put(
-        self, chunk: Chunk, payload: Payload, *, tier: str | None = None, attempts: int = 1
+        self,
+        chunk: Chunk,
+        payload: Payload,
+        *,
+        tier: str | None = None,
+        attempts: int = 1,
+        form: str | None = None,
     ) -> bool:
         """Store a chunk's payload in `tier` (default: the top tier), making room there first.
 
-        False when every attempt failed or it cannot fit: the chunk is then simply not stored.
+        `form`: store it at most as precise as this (besides the tier's own form). False when
+        every attempt failed or it cannot fit: the chunk is then simply not stored.
         """
         target = tier or self.order[0]
         return any(
-            self._place(chunk.id, chunk.namespace, payload, target, CALLER) for _ in range(attempts)
+            self._place(chunk.id, chunk.namespace, payload, target, CALLER, form)
+            for _ in range(attempts)
         )
 
     def promote(
@@ -189,16 +220,17 @@ class TieredStore:
             source.delete(chunk, namespace=placement.namespace)
             return None
 
-    def demote(self, chunk: bytes, to: str | None = None) -> bool:
+    def demote(self, chunk: bytes, to: str | None = None, form: str | None = None) -> bool:
         """Move a chunk down to `to` (default: the next tier down; off the last tier it is
-        dropped). False when the chunk is unknown, busy, or could not be placed (then dropped).
+        dropped), at most as precise as `form` and the target's own form. False when the chunk
+        is unknown, busy, or could not be placed (then dropped).
         """
         with self._lock:
             placement = self._index.get(chunk)
             if placement is None or chunk in self._busy:
                 return False
             self._busy.add(chunk)
-        return self._demote(chunk, placement, to)
+        return self._demote(chunk, placement, to, form)
 
     def delete(self, chunk: bytes) -> None:
         with self._lock:
@@ -226,8 +258,24 @@ class TieredStore:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _place(self, chunk: bytes, namespace: str, payload: Payload, target: str, src: str) -> bool:
+    def _place(
+        self,
+        chunk: bytes,
+        namespace: str,
+        payload: Payload,
+        target: str,
+        src: str,
+        form: str | None = None,
+    ) -> bool:
         tier = self.tiers[target]
+        try:
+            for wanted in (form, self.forms.get(target)):
+                if wanted is not None and wanted != payload.form:
+                    payload = self._recode(payload, wanted)
+        except Exception:  # an unreadable payload is not stored, like a failed put
+            log.exception("converting chunk %s to %s failed", chunk.hex()[:16], wanted)
+            self._move(src, target).record(payload.nbytes, 0.0, False)
+            return False
         if payload.nbytes > tier.capacity_bytes:
             ok = False
         else:
@@ -246,6 +294,20 @@ class TieredStore:
             self.tiers[stale.tier].delete(chunk, namespace=stale.namespace)
         return True
 
+    def _recode(self, payload: Payload, form: str) -> Payload:
+        if self.recode is None:
+            raise ValueError(f"no recode function to store a chunk as {form}")
+        start = perf_counter()
+        converted = self.recode(payload, form)
+        if converted is not payload:
+            name = f"{payload.form}->{converted.form}"
+            stats = self.recodes.get(name)
+            if stats is None:
+                with self._lock:
+                    stats = self.recodes.setdefault(name, MoveStats())
+            stats.record(payload.nbytes, perf_counter() - start, True)
+        return converted
+
     def _make_room(self, tier: TierBackend, nbytes: int) -> None:
         while not tier.fits(nbytes):
             with self._lock:
@@ -256,7 +318,9 @@ class TieredStore:
                 placement = self._index[victim]
             self._demote(victim, placement, None)
 
-    def _demote(self, chunk: bytes, placement: Placement, to: str | None) -> bool:
+    def _demote(
+        self, chunk: bytes, placement: Placement, to: str | None, form: str | None = None
+    ) -> bool:
         """Move a chunk the caller marked busy; unmarks it."""
         source = placement.tier
         below = self.order.index(source) + 1
@@ -266,7 +330,7 @@ class TieredStore:
             if target is not None:
                 payload = self.tiers[source].get(chunk, namespace=placement.namespace)
                 moved = payload is not None and self._place(
-                    chunk, placement.namespace, payload, target, source
+                    chunk, placement.namespace, payload, target, source, form
                 )
             if not moved:
                 with self._lock:
@@ -320,5 +384,6 @@ class TieredStore:
                 for name, tier in self.tiers.items()
             },
             "moves": {name: stats.snapshot() for name, stats in sorted(self.moves.items())},
+            "recodes": {name: stats.snapshot() for name, stats in sorted(self.recodes.items())},
             "misses": misses,
         }

@@ -1,0 +1,78 @@
+"""Real model, real tiers: a resumed prompt whose stored history has a hole (a chunk the
+policy dropped) or whose restore plan recomputes the front loads the chunks after the
+recomputed run when the prefill reaches them, with greedy output identical to recomputing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cache import TiersConfig
+from kvtier.cache.connector import attach_connector
+from kvtier.policy.config import PolicyConfig
+from kvtier.policy.cost_model import CostProfile, TierLink
+from kvtier.tiers import Chunk
+
+from .scenario import assert_no_leak, make_turns, run_first_and_flood, run_second
+
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+
+
+def session_chunks(connector, session: str = "s1") -> list[Chunk]:
+    remembered = connector.runner.sessions[session]
+    return [Chunk(keys, remembered.namespace) for keys in connector.chunk_keys(remembered.keys)]
+
+
+def test_chunks_after_a_hole_are_loaded(engine, expected, tmp_path):
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
+    connector = attach_connector(engine, tiers, "offload")
+    first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
+    chunks = session_chunks(connector)
+    stored = [chunk for chunk in chunks if connector.store.locate(chunk.id) is not None]
+    assert len(stored) >= 3, "the flood pushed at least 3 chunks of turn 1 into the host tier"
+    hole, after = stored[0], stored[1:]
+    assert chunks[chunks.index(hole) + 1 :] == after
+    connector.store.delete(hole.id)  # as a policy dropping that chunk would
+    second, out = run_second(engine, turns, first)
+
+    assert second == second_ref
+    sources = out.metrics.prompt_token_sources
+    # the hole recomputed (but for blocks still on the device), the chunks after it loaded
+    after_hole = sum(len(chunk.keys) for chunk in after)
+    assert connector.counters["restored_blocks_after_recompute"] == after_hole
+    assert sources["host"] == after_hole * 16
+    assert sources["recomputed"] > len(turns.extra)
+    assert sum(sources.values()) == len(turns.second(first))
+    assert engine.stats().tiers["tokens"]["host"] == sources["host"]
+    assert_no_leak(engine)
+
+
+def test_bidirectional_plan_recomputes_the_front_and_loads_the_back(engine, expected, tmp_path):
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    # a link slow enough that loading everything loses to recomputing the cheap leading
+    # chunks while the later ones load: the planner's bidirectional case
+    profile = CostProfile(
+        prefill_fixed_s=0.0,
+        prefill_token_s=1e-4,
+        prefill_pair_s=2e-6,
+        links={"host": TierLink(bandwidth=1e8)},
+    )
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=64, restore="plan", cost_profile=profile)
+    connector = attach_connector(engine, tiers, "offload", PolicyConfig())
+    first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
+
+    second, out = run_second(engine, turns, first)
+
+    assert second == second_ref
+    assert connector.counters["restore_plan_bidirectional"] == 1
+    sources = out.metrics.prompt_token_sources
+    assert sources["host"] > 0 and connector.counters["restored_blocks_after_recompute"] > 0
+    assert sources["recomputed"] >= 16 + len(turns.extra)  # the front, then the new tokens
+    assert sum(sources.values()) == len(turns.second(first))
+    assert_no_leak(engine)
