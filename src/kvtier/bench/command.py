@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="set a [policy] key for every run, e.g. interval_s=2 (repeatable)",
     )
-    pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
+    pol.add_argument(
+        "--config", metavar="PATH", help="kvtier.toml ([policy] and [compression] tables)"
+    )
     eng = parser.add_argument_group("engine (the same for every policy)")
     eng.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
     eng.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         "session_resume_after_s": args.resume_after,
     }
     tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path)
+    compression, compression_note = _compression(args, workload, kv_bytes)
+    base["compression"] = compression
     results = []
     for name in names:
         results.append(_run_policy(args, name, base, tiers, policy_config, requests))
@@ -132,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         "workload": describe_workload(workload, args),
         "requests": len(requests),
         "policies": names,
-        "engine": {k: v for k, v in base.items() if v is not None} | {"tiers": _tiers(tiers)},
+        "engine": {k: v for k, v in base.items() if v is not None and k != "compression"}
+        | {"tiers": _tiers(tiers)},
+        "compression": compression_note,
         "host_bytes": host_bytes,
         "disk_bytes": disk_bytes,
         "policy_set": args.policy_set,
@@ -275,6 +281,37 @@ def _policy_config(args: argparse.Namespace) -> Any:
 
     path = args.config or os.environ.get(CONFIG_ENV)
     return load_config(path, env=os.environ, settings=args.policy_set)
+
+
+def _compression(
+    args: argparse.Namespace, workload: Workload, kv_bytes: int
+) -> tuple[Any, dict[str, Any] | None]:
+    """The [compression] table of the config file (same file as [policy]) as the engine's
+    pipeline, with `preset = "auto"` resolved from this workload and the device KV budget;
+    and what the results record about it (None: no compression configured)."""
+    from kvtier.policy.config import CONFIG_ENV, load_compression
+
+    section = load_compression(args.config or os.environ.get(CONFIG_ENV))
+    choice = None
+    if section.is_auto:
+        from kvtier.compress.auto import choose_for_workload
+        from kvtier.models import resolve_model_dir
+        from kvtier.plan.geometry import load_geometry
+
+        geometry = load_geometry(str(resolve_model_dir(args.model)))
+        kv_dtype = "fp32" if args.dtype == "float32" else "bf16"
+        choice = choose_for_workload(
+            workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=args.resume_after
+        )
+        print(f"compression auto -> {choice}")
+    compression = section.build(choice)
+    if compression is None and choice is None:
+        return None, None
+    note = section.model_dump(exclude_none=True)
+    note["pipeline"] = None if compression is None else compression.model_dump()
+    if choice is not None:
+        note["auto"] = {"preset": choice.preset, "method": choice.method, "reason": choice.reason}
+    return compression, note
 
 
 def _tiers(tiers: Any) -> Any:

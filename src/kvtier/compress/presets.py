@@ -1,6 +1,8 @@
 """Named pipelines for the deployment scenarios of docs/compression.md (rationale there).
 
 Each value is a method string for `parse_method`, so a preset is also what a user could type.
+The `auto` preset is not one of them: it picks one of these (or none) from an observed
+workload, see `auto.py`; kvtier.toml names a preset in its `[compression]` table.
 """
 
 from __future__ import annotations

@@ -3,12 +3,15 @@
 Scores seeded RULER-style tasks (needles, variable tracking, word extraction, passkey) per
 task x method x compression ratio, with the KV bytes each request really held and speed.
 Writes results.json, results.md, score_vs_bytes.png and the samples (samples.jsonl, the
-input of benchmarks/kvpress_compare.py) under --out.
+input of benchmarks/kvpress_compare.py) under --out. `--tasks perplexity` instead feeds the
+shipped prose through the engine with a StreamingLLM cache bounded to each of --budgets
+tokens and reports perplexity against the full cache (perplexity.json, perplexity.md).
 
 Examples:
   kvtier eval --quick
   kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4096 --samples 4
   kvtier eval --methods full,kivi4,kivi8 --tasks niah_single,passkey --lengths 2k,4k
+  kvtier eval --tasks perplexity --budgets 256,512,1024 --lengths 2048 --threads 1
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ TASK_NAMES = (
     "niah_single", "niah_single_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
     "passkey", "vt", "cwe", "fwe",
 )  # fmt: skip
+PERPLEXITY = "perplexity"  # not a RULER task: kvtier.eval.perplexity, run on its own
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"snapkv:0.5, streaming_llm@512, kivi4 (default {DEFAULT_METHODS})",
     )
     parser.add_argument("--ratios", help=f"comma list in [0, 1) (default {FULL['ratios']})")
-    parser.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma list (default: all)")
+    parser.add_argument(
+        "--tasks",
+        default=",".join(TASK_NAMES),
+        help=f"comma list (default: all), or {PERPLEXITY} alone (long-text perplexity)",
+    )
+    parser.add_argument(
+        "--budgets",
+        help=f"{PERPLEXITY} only: KV tokens kept while decoding, comma list (default 256,512,1024)",
+    )
     parser.add_argument(
         "--lengths", help=f"target lengths in tokens, e.g. 1k,4096 (default {FULL['lengths']})"
     )
@@ -67,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if PERPLEXITY in _split(args.tasks):
+        return _run_perplexity(args)
+    if args.budgets is not None:
+        raise KvtierError(f"--budgets is for --tasks {PERPLEXITY}")
     from kvtier.eval.methods import plan_runs
     from kvtier.eval.tasks import check_tasks
 
@@ -122,6 +138,56 @@ def run(args: argparse.Namespace) -> int:
         out / "samples.jsonl",
     ):
         print(f"wrote {path}")
+    return 0
+
+
+def _run_perplexity(args: argparse.Namespace) -> int:
+    """Perplexity of the shipped prose, full cache vs StreamingLLM at each budget."""
+    from kvtier.eval import perplexity
+    from kvtier.models import resolve_model_dir
+    from kvtier.models.tokenizer import load_tokenizer
+
+    if _split(args.tasks) != [PERPLEXITY]:
+        raise KvtierError(
+            f"--tasks {PERPLEXITY} runs on its own (it scores a text, not answers); "
+            "drop the other tasks"
+        )
+    if args.threads is not None and args.threads < 1:
+        raise KvtierError(f"--threads must be >= 1, got {args.threads}")
+    lengths = [_length(v) for v in _split(args.lengths or str(perplexity.DEFAULT_LENGTH))]
+    budgets = list(perplexity.DEFAULT_BUDGETS)
+    if args.budgets is not None:
+        try:
+            budgets = [int(v) for v in _split(args.budgets)]
+        except ValueError:
+            raise KvtierError(f"--budgets takes token counts, got {args.budgets!r}") from None
+    # Checked with the tokenizer alone, before the model loads.
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    texts = {n: perplexity.long_text(tokenizer, n) for n in lengths}
+    budgets = perplexity.check_budgets(budgets, min(lengths))
+
+    from kvtier.eval.runner import RunnerConfig, make_engine
+
+    engine = make_engine(RunnerConfig(model=args.model, num_threads=args.threads))
+    started = time.perf_counter()
+    runs = []
+    for token_ids in texts.values():
+        runs += perplexity.run_perplexity(engine, token_ids, budgets, progress=print)
+    table = perplexity.markdown_table(runs)
+    print(table)
+    settings = {
+        "lengths": lengths,
+        "budgets": budgets,
+        "num_sinks": perplexity.NUM_SINKS,
+        "model": str(engine.model_dir),
+        "threads": engine.config.resolved_num_threads(),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    out = Path(args.out)
+    (out / "perplexity.md").parent.mkdir(parents=True, exist_ok=True)
+    (out / "perplexity.md").write_text(table + "\n", encoding="utf-8")
+    print(f"wrote {perplexity.write_json(out / 'perplexity.json', settings, runs)}")
+    print(f"wrote {out / 'perplexity.md'}")
     return 0
 
 

@@ -255,7 +255,8 @@ def config_from_args(args: argparse.Namespace) -> PolicyConfig:
     )
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+def _read_file(path: Path, name: str = "policy") -> dict[str, Any]:
+    """The file's `[name]` table ({} when it has none)."""
     try:
         with path.open("rb") as handle:
             data = tomllib.load(handle)
@@ -263,9 +264,9 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise KvtierError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
-    table = data.get("policy", {})
+    table = data.get(name, {})
     if not isinstance(table, dict):
-        raise KvtierError(f"{path}: 'policy' must be a table ([policy]), not {table!r}")
+        raise KvtierError(f"{path}: '{name}' must be a table ([{name}]), not {table!r}")
     return table
 
 
@@ -335,3 +336,77 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
             return []
         model = annotation
     return list(model.model_fields)
+
+
+# ----- [compression]: the KV compression pipeline, configured beside the policy ------------
+
+
+class CompressionSection(_Section):
+    """The `[compression]` table of kvtier.toml: `preset` (a scenario preset of
+    kvtier.compress.presets, "full" or "auto") or `presses` (a pipeline, in order: tables of
+    name, ratio or keep_tokens, options), not both; neither means no compression."""
+
+    preset: str | None = None
+    presses: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _one_pipeline(self) -> CompressionSection:
+        from kvtier.compress.config import PressSpec
+        from kvtier.compress.presets import PRESETS
+
+        if self.preset is not None and self.presses is not None:
+            raise ValueError("give either preset or presses, not both")
+        if self.preset is not None and self.preset not in (*PRESETS, "full", "auto"):
+            raise ValueError(
+                f"unknown preset {self.preset!r}; choose one of "
+                f"{', '.join((*PRESETS, 'full', 'auto'))}"
+            )
+        if self.presses is not None and not self.presses:
+            raise ValueError("presses is empty: list at least one press, or leave it out")
+        for index, press in enumerate(self.presses or []):
+            try:
+                PressSpec(**press)
+            except KvtierError as exc:
+                raise ValueError(f"presses[{index}]: {exc}") from None
+        return self
+
+    @property
+    def is_auto(self) -> bool:
+        return self.preset == "auto"
+
+    def build(self, auto: Any = None) -> Any:
+        """The pipeline for `EngineConfig.compression` (a CompressionConfig, or None for no
+        compression). `auto` is `kvtier.compress.auto`'s AutoChoice for preset "auto": only a
+        command that knows its workload can supply it."""
+        from kvtier.compress import CompressionConfig, PressSpec, parse_method
+
+        if self.presses is not None:
+            return CompressionConfig(presses=[PressSpec(**press) for press in self.presses])
+        if self.is_auto:
+            if auto is None:
+                raise KvtierError(
+                    '[compression] preset = "auto" picks by observed workload, which this '
+                    "command does not see; name a preset or list presses (kvtier bench "
+                    "resolves auto from the workload it replays)"
+                )
+            return parse_method(auto.method)
+        return None if self.preset is None else parse_method(self.preset)
+
+
+def load_compression(path: str | Path | None) -> CompressionSection:
+    """The `[compression]` table of the config file at `path`, validated (empty: no file,
+    or no table)."""
+    table = {} if path is None else _read_file(Path(path), "compression")
+    try:
+        return CompressionSection.model_validate(table)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            key = ".".join(("compression", *(str(p) for p in error["loc"])))
+            message = str(error["msg"]).removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                message = "unknown key; allowed here: preset, presses"
+            lines.append(f"{key}: {message}")
+        raise KvtierError(
+            f"invalid compression configuration in {path}: " + "; ".join(lines)
+        ) from None

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="TOML file with a [server] table")
+    parser.add_argument(
+        "--config", default=None, help="TOML file with a [server] (and [compression]) table"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
@@ -69,10 +71,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvtier.engine import Engine, EngineConfig
+    from kvtier.policy.config import load_compression
     from kvtier.server.app import create_app
 
     server_config = build_server_config(args)
     engine_kwargs = {
+        # the same file's [compression] table: every request's pipeline ("auto" is refused:
+        # a server has not observed its workload when it starts)
+        "compression": load_compression(args.config).build(),
         "model_dir": args.model,
         "dtype": args.dtype,
         "device": args.device,
