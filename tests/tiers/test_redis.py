@@ -191,12 +191,18 @@ def test_redis_cluster_with_pipelines_across_slots(spawn_redis, make_payload, sa
 
     payloads = [(bytes([i]) * 32, make_payload(seed=i)) for i in range(12)]
     for hash_tag in (False, True):
-        tier = RedisTier(nodes[0].url, 8 << 20, cluster=True, hash_tag=hash_tag, prefix="c")
+        # a generous timeout: this checks routing, and a loaded machine can stall a
+        # pipeline across three fresh nodes past the default 0.25 s
+        tier = RedisTier(
+            nodes[0].url, 8 << 20, cluster=True, hash_tag=hash_tag, prefix="c", timeout_s=5.0
+        )
         assert tier.put_many(payloads, namespace="t") == [True] * 12
         got = tier.get_many([key for key, _ in payloads], namespace="t")
         assert all(same(g, p) for g, (_, p) in zip(got, payloads, strict=True))
         tier.close()
-        recount = RedisTier(nodes[1].url, 8 << 20, cluster=True, hash_tag=hash_tag, prefix="c")
+        recount = RedisTier(
+            nodes[1].url, 8 << 20, cluster=True, hash_tag=hash_tag, prefix="c", timeout_s=5.0
+        )
         assert len(recount.entries()) == 12  # found on all nodes by one SCAN of the prefix
         recount.close()
     slots = set()

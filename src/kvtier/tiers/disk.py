@@ -28,7 +28,7 @@ import torch
 
 from kvtier.tiers.base import TierBackend, TierEntry, TierError
 from kvtier.tiers.crypto import Sealer
-from kvtier.tiers.payload import Payload, as_buffer
+from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer
 from kvtier.tiers.record import (
     FLAG_SEALED,
     RecordCodec,
@@ -130,7 +130,9 @@ class DiskTier(TierBackend):
     # -- contract ------------------------------------------------------------------------
 
     def _put(self, key: bytes, payload: Payload, namespace: str) -> bool:
-        head_bytes, body = self._codec.encode(key, namespace, payload)
+        # Under O_DIRECT the head fills a page, so the body starts on a page of the file and an
+        # aligned payload is written, and read back, without a bounce copy.
+        head_bytes, body = self._codec.encode(key, namespace, payload, page_head=self.direct)
         head = parse_head(head_bytes)
         with self._lock:
             segment, offset = self._append([head_bytes, body], head.record_len)
@@ -157,17 +159,21 @@ class DiskTier(TierBackend):
 
     def _read(self, loc: _Loc, out: torch.Tensor | None) -> Payload:
         head, segment = loc.head, loc.segment
-        dest = self._codec.body_into(head, out)
-        if segment.direct or head.flags & FLAG_SEALED:
+        if head.flags & FLAG_SEALED:
+            # Decryption is the copy: the ciphertext is read into scratch memory first.
+            dest = self._codec.body_into(head, out)
             raw = segment.read(loc.offset, head.record_len, self._bounce)
-            _check_same(parse_head(raw), head)
+            _check_same(raw, head)
             return self._codec.decode(head, raw[head.head_len :], dest, in_place=False)
-        # Buffered and plain: read the body straight into its destination, one copy.
-        head_buf = memoryview(bytearray(head.head_len))
-        body_view = as_buffer(dest)
-        body_sum = segment.read_hashed(loc.offset, head_buf, body_view)
-        _check_same(parse_head(head_buf), head)
-        return self._codec.decode(head, body_view, dest, in_place=True, body_sum=body_sum)
+        if segment.direct and (out is None or out.device.type != "cpu"):
+            # A fresh buffer of our own: page-aligned, so O_DIRECT reads into it directly.
+            dest = aligned_bytes(head.payload_nbytes, DIRECT_ALIGN)
+        else:
+            dest = self._codec.body_into(head, out)
+        body = as_buffer(dest)
+        found, body_sum = segment.read_record(loc.offset, head.head_len, body, self._bounce)
+        _check_same(found, head)
+        return self._codec.decode(head, body, dest, in_place=True, body_sum=body_sum)
 
     def _delete(self, key: bytes, namespace: str) -> None:
         with self._lock:
@@ -330,8 +336,8 @@ class DiskTier(TierBackend):
         return fd
 
 
-def _check_same(found: RecordHead, expected: RecordHead) -> None:
-    if found != expected:
+def _check_same(found: memoryview, expected: RecordHead) -> None:
+    if not expected.matches(found):
         raise TierError("record on disk differs from the index (stale or overwritten)")
 
 

@@ -125,6 +125,18 @@ def empty_bytes(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
 
 
+def aligned_bytes(nbytes: int, align: int) -> torch.Tensor:
+    """A fresh 1-D uint8 tensor of `nbytes` starting at a multiple of `align` in memory, so that
+    O_DIRECT can move it without a bounce copy.
+
+    torch's large CPU tensors start 64 bytes into a page (glibc puts its chunk header first), so
+    this over-allocates by `align` and slices.
+    """
+    base = torch.empty(nbytes + align, dtype=torch.uint8)
+    skip = -base.data_ptr() % align
+    return base[skip : skip + nbytes]
+
+
 def as_buffer(data: torch.Tensor) -> memoryview:
     """A writable memoryview over a CPU uint8 tensor's bytes, for file and socket calls."""
     return memoryview(data.numpy()).cast("B")
