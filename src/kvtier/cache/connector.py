@@ -34,6 +34,7 @@ In the spirit of vLLM's KV connector, the engine calls it at fixed points:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -48,6 +49,8 @@ from kvtier.cache.writes import BackgroundWrites
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, DiskTier, HostTier, Mover, Payload, RedisTier, Sealer, TieredStore
 from kvtier.tiers.base import TierBackend
+from kvtier.tiers.payload import aligned_bytes
+from kvtier.tiers.record import PAGE_BYTES
 
 if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
@@ -208,12 +211,20 @@ class TieredConnector:
         return None
 
     def gather(self, block_ids: list[int]) -> Payload:
-        """The blocks' KV as one contiguous payload ([n, *block_shape], one copy)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_pool.kv.device)
-        data = self.kv_pool.kv.index_select(0, index)
-        if data.device.type != "cpu":
-            data = data.cpu()
-        return Payload.of(data)
+        """The blocks' KV as one contiguous payload ([n, *block_shape], one copy).
+
+        On CPU the copy lands in page-aligned memory: torch's own large tensors start 64
+        bytes into a page, which would send every spill to an O_DIRECT disk tier through a
+        bounce copy (docs/tiers.md)."""
+        kv = self.kv_pool.kv
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
+        if kv.device.type != "cpu":
+            return Payload.of(kv.index_select(0, index).cpu())
+        shape = (len(block_ids), *kv.shape[1:])
+        nbytes = math.prod(shape) * kv.element_size()
+        staging = aligned_bytes(nbytes, PAGE_BYTES).view(kv.dtype).view(shape)
+        torch.index_select(kv, 0, index, out=staging)
+        return Payload.of(staging)
 
     # ----- block events --------------------------------------------------------------------
 
