@@ -211,3 +211,24 @@ def test_unlisted_tiers_keep_the_form_above_them():
     config = TiersConfig(forms={"disk": "int8"})
     assert config.tier_forms() == {"host": "full", "disk": "int8", "remote": "int8"}
     assert TiersConfig().tier_forms() == {"host": "full", "disk": "full", "remote": "full"}
+
+
+def test_a_packed_device_pool_with_tiers_is_refused():
+    # A packed pool's blocks are quantized already (EngineConfig.kv_quant); the connector
+    # copies full-precision blocks, so the combination must fail at configuration time.
+    from kvtier.engine import EngineConfig
+
+    with pytest.raises(KvtierError, match="kv_quant with tiers"):
+        EngineConfig(kv_quant="int8", tiers=TiersConfig(forms={"disk": "int8"}))
+
+
+@pytest.mark.slow
+def test_attaching_tiers_to_a_packed_pool_engine_is_refused():
+    from kvtier.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(kv_cache_bytes=64 * MIB, max_num_seqs=4, kv_quant="int8"))
+    try:
+        with pytest.raises(KvtierError, match="kv_quant with tiers"):
+            attach_connector(engine, TiersConfig(forms={"disk": "int8"}))
+    finally:
+        engine.close()

@@ -231,11 +231,6 @@ def test_kivi_quantizes_the_kept_kv_but_not_the_recent_window(engine):
     assert engine.block_pool.num_used == 0
 
 
-def test_lowrank_is_refused_clearly(engine):
-    with pytest.raises(KvtierError, match="press 'lowrank' is not available"):
-        engine.set_compression(parse_method("lowrank:0.5"))
-
-
 def test_a_preempted_compressed_request_recomputes_and_compresses_again():
     # 10 blocks of 16 tokens for three 60-token prompts growing to 100: someone is preempted.
     engine = Engine(

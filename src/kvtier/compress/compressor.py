@@ -20,9 +20,14 @@ import torch
 from kvtier.compress.config import EVICTION_PRESSES, CompressionConfig
 from kvtier.compress.presses.base import EvictionPress, LayerView
 from kvtier.compress.presses.kivi import KiviPress
+from kvtier.compress.presses.lowrank import LowRankPress
 from kvtier.compress.presses.streaming_llm import StreamingLLMPress
 from kvtier.compress.recorder import LayerRecord, PrefillRecorder
-from kvtier.compress.registry import build_eviction_press, build_kivi_press
+from kvtier.compress.registry import (
+    build_eviction_press,
+    build_kivi_press,
+    build_lowrank_press,
+)
 from kvtier.engine.kv_cache_manager import KVCacheManager
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.request import Request
@@ -44,13 +49,21 @@ class Compressor:
         self.presses: list[EvictionPress] = []
         # Quantization applies to whatever the eviction presses keep, wherever it is listed.
         self.kivi: KiviPress | None = None
+        # Low rank, like KIVI, rewrites whatever is kept (before KIVI when both are listed).
+        self.lowrank: LowRankPress | None = None
         for spec in config.presses:
             if spec.name == "kivi":
                 self.kivi = build_kivi_press(spec)
+            elif spec.name == "lowrank":
+                if not spec.is_identity:
+                    self.lowrank = build_lowrank_press(spec)
+                    self.lowrank.basis.check_geometry(
+                        pool.num_layers, pool.num_kv_heads, pool.head_dim
+                    )
             elif spec.name not in EVICTION_PRESSES:
                 raise KvtierError(
                     f"press {spec.name!r} is not available in the engine yet "
-                    f"(available: {', '.join((*EVICTION_PRESSES, 'kivi'))})"
+                    f"(available: {', '.join((*EVICTION_PRESSES, 'kivi', 'lowrank'))})"
                 )
             elif not spec.is_identity:
                 self.presses.append(build_eviction_press(spec))
@@ -94,12 +107,13 @@ class Compressor:
         records = self.recorder.take(request.request_id) if self.recorder else {}
         num_slots = self.kv.num_slots(request)
         if all(p.budget(num_slots) >= num_slots for p in self.presses):
-            if self.kivi is not None and self.kivi.num_quantized(num_slots):
+            quantized = self.kivi is not None and self.kivi.num_quantized(num_slots)
+            if quantized or self.lowrank is not None:
                 layers, heads = self.pool.num_layers, self.pool.num_kv_heads
                 self.compact(request, torch.arange(num_slots).expand(layers, heads, -1))
             return
         table = self.kv.block_table(request.request_id)
-        block_table = torch.tensor(table, device=self.pool.kv.device)[None]
+        block_table = torch.tensor(table, device=self.pool.device)[None]
         kept = []
         for layer in range(self.pool.num_layers):
             keys, values = self.pool.gather(layer, block_table)
@@ -126,9 +140,11 @@ class Compressor:
     def compact(self, request: Request, kept_slots: torch.Tensor, quantize: bool = True) -> None:
         """Keep only `kept_slots` [layers, kv_heads, n] (ascending per head) of the request's
         KV, in fresh blocks; the old ones are released (see the module docstring). With a
-        KIVI press and `quantize`, the kept KV is quantized on the way."""
+        KIVI or low-rank press and `quantize`, the kept KV is rewritten on the way."""
         old_table = self.kv.block_table(request.request_id)
         tokens = self.pool.gather_tokens(old_table, kept_slots)
+        if self.lowrank is not None and quantize:
+            tokens = self.lowrank.apply(tokens)
         if self.kivi is not None and quantize:
             tokens = self.kivi.apply(tokens)
         new_table = self.kv.replace_blocks(request, kept_slots.shape[-1])

@@ -65,9 +65,21 @@ class PressSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lowrank_keeps_tokens(self) -> PressSpec:
+        if self.name == "lowrank" and self.keep_tokens is not None:
+            raise ValueError(
+                "press 'lowrank' keeps every token and removes dimensions: give ratio "
+                "(share of the bytes removed) or options.rank, not keep_tokens"
+            )
+        return self
+
     @property
     def is_identity(self) -> bool:
-        """True when this press changes nothing (an eviction press with no budget)."""
+        """True when this press changes nothing (an eviction press with no budget, or low
+        rank at ratio 0 with no rank given)."""
+        if self.name == "lowrank":
+            return self.ratio == 0 and "rank" not in self.options
         return self.name in EVICTION_PRESSES and self.ratio == 0 and self.keep_tokens is None
 
 

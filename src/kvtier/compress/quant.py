@@ -56,14 +56,52 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, dim: int) -> Quantized
     if pad:  # repeat the last value: it widens no group's range
         moved = torch.cat((moved, moved[..., -1:].expand(*moved.shape[:-1], pad)), dim=-1)
     groups = moved.reshape(*moved.shape[:-1], -1, group_size)
-    levels = (1 << bits) - 1
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    minimum, step = group_scales(groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True), bits)
+    codes = to_codes(groups, minimum, step, bits)
+    return Quantized(_pack(codes, bits), minimum, step, bits, dim, length, x.shape)
+
+
+def group_scales(
+    low: torch.Tensor, high: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 minimum and step of groups with these float32 extremes, rounded outward
+    (minimum down, step up) so every value stays within half a step of its code."""
     minimum = _round_toward(low, float("-inf"))
-    step = _round_toward((high - minimum.float()) / levels, float("inf"))
+    step = _round_toward((high - minimum.float()) / ((1 << bits) - 1), float("inf"))
+    return minimum, step
+
+
+def to_codes(x: torch.Tensor, minimum: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of float32 `x` (minimum and step broadcast against it), one per value."""
     # A constant group has step 0: any code reconstructs it exactly.
     safe_step = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
-    codes = ((groups - minimum.float()) / safe_step).round().clamp(0, levels).to(torch.uint8)
-    return Quantized(_pack(codes, bits), minimum, step, bits, dim, length, x.shape)
+    levels = (1 << bits) - 1
+    return ((x - minimum.float()) / safe_step).round_().clamp_(0, levels).to(torch.uint8)
+
+
+def pack_split(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack uint8 codes `8 // bits` per byte along `dim`, split-halves order: byte i holds
+    the codes at i, i + m, i + 2m, ... (m = size / per_byte). Unpacking is then a
+    concatenation along `dim`, which keeps the unpacked values in their natural order
+    without an interleaving copy (what the packed KV pool wants on every read)."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes
+    parts = codes.chunk(per_byte, dim)
+    packed = parts[0].clone()
+    for i in range(1, per_byte):
+        packed |= parts[i] << (i * bits)
+    return packed
+
+
+def unpack_split(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of `pack_split`: the codes, `8 // bits` times longer along `dim`."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [packed & mask] + [(packed >> (i * bits)) & mask for i in range(1, per_byte)]
+    return torch.cat(parts, dim)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 `parse_method` reads what a user types: "full" (no compression), "snapkv:0.5" (a press and
 its ratio), "streaming_llm@512" (a press keeping 512 tokens), "kivi4" / "kivi:4" (KIVI at
-4 bits), pipelines joined with "+" ("snapkv:0.5+kivi4"), and the scenario presets by name
+4 bits), "lowrank:0.5" / "lowrank@r32" (low rank removing half the bytes / keeping rank 32),
+pipelines joined with "+" ("snapkv:0.5+kivi4"), and the scenario presets by name
 ("edge_device", see `presets.py`).
 """
 
@@ -17,6 +18,7 @@ from kvtier.compress.presses.base import EvictionPress
 from kvtier.compress.presses.h2o import H2OPress
 from kvtier.compress.presses.kivi import KiviPress
 from kvtier.compress.presses.knorm import KnormPress
+from kvtier.compress.presses.lowrank import LowRankPress
 from kvtier.compress.presses.scissorhands import ScissorhandsPress
 from kvtier.compress.presses.snapkv import SnapKVPress
 from kvtier.compress.presses.streaming_llm import StreamingLLMPress
@@ -50,6 +52,29 @@ def build_kivi_press(spec: PressSpec) -> KiviPress:
         raise KvtierError(f"press 'kivi': bad options {spec.options!r} ({exc})") from None
 
 
+LOWRANK_OPTIONS = (
+    "rank",
+    "grouping",
+    "model",
+    "calibration",
+    "calibration_tokens",
+    "residual",
+    "sinks",
+)
+
+
+def build_lowrank_press(spec: PressSpec) -> LowRankPress:
+    """Options: rank, grouping ("layer" | "head"), model (a folder; None: the embedded
+    model), calibration (a text name), calibration_tokens, residual and sinks (recent and
+    first tokens kept exact). Fits the bases on first use (see compress/lowrank.py)."""
+    unknown = sorted(set(spec.options) - set(LOWRANK_OPTIONS))
+    if unknown:
+        raise KvtierError(
+            f"press 'lowrank': unknown options {unknown}; known: {', '.join(LOWRANK_OPTIONS)}"
+        )
+    return LowRankPress.fitted(ratio=spec.ratio, **spec.options)
+
+
 _KIVI_SHORT = re.compile(r"kivi(\d+)")
 
 
@@ -69,6 +94,8 @@ def _parse_one(part: str) -> PressSpec:
     name, keep, ratio = part, None, 0.0
     if "@" in part:
         name, _, value = part.partition("@")
+        if name == "lowrank":
+            return _parse_lowrank_rank(value, part)
         keep = _number(value, int, part)
     elif ":" in part:
         name, _, value = part.partition(":")
@@ -78,9 +105,22 @@ def _parse_one(part: str) -> PressSpec:
     if name not in PRESS_NAMES:
         raise KvtierError(
             f"unknown compression method {part!r}; use 'full', '<press>:<ratio>', "
-            f"'<press>@<tokens>' or 'kivi<bits>' with press one of {', '.join(PRESS_NAMES)}"
+            f"'<press>@<tokens>', 'kivi<bits>' or 'lowrank@r<rank>' with press one of "
+            f"{', '.join(PRESS_NAMES)}"
         )
     return PressSpec(name=name, ratio=ratio, keep_tokens=keep)
+
+
+def _parse_lowrank_rank(value: str, part: str) -> PressSpec:
+    if not value.startswith("r"):
+        raise KvtierError(
+            f"method {part!r}: low rank keeps every token; write 'lowrank@r<rank>' "
+            "(e.g. lowrank@r32) or 'lowrank:<ratio>'"
+        )
+    rank = _number(value[1:], int, part)
+    if rank < 1:
+        raise KvtierError(f"method {part!r}: the rank must be a positive integer")
+    return PressSpec(name="lowrank", options={"rank": rank})
 
 
 def _number(value: str, kind: type, part: str) -> Any:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.hooks import AttentionObserver
 from kvtier.engine.kv_pool import KVPool
+from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
 
 
 @dataclass
@@ -50,7 +51,9 @@ class AttentionMetadata:
     Built once per step by the runner and shared by all layers.
     """
 
-    slot_index: torch.Tensor  # [N * kv_heads] where new K vectors go (KVPool.slot_index)
+    # Where the new K/V go: from the pool's `plan_writes` (KVPool: a vector index tensor;
+    # QuantizedKVPool: a WritePlan), handed back to its `write_slots` untouched.
+    slot_index: torch.Tensor | WritePlan
     num_decodes: int = 0
     decode_request_ids: list[str] = field(default_factory=list)
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded
@@ -60,7 +63,9 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, pool: KVPool | QuantizedKVPool, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -86,7 +91,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            key, value = self.pool.gather(layer, meta.decode_block_tables)
+            key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)
             q_dec = q[:nd].unsqueeze(1)
             o = self._attend(
                 layer,
@@ -99,7 +104,7 @@ class PagedAttention:
             )
             out[:nd] = o[:, 0]
         for span in meta.prefills:
-            key, value = self.pool.gather(layer, span.block_table)
+            key, value = self.pool.gather(layer, span.block_table, meta.slot_index)
             key_lens = torch.tensor([span.context_len], device=q.device)
             for chunk in span.chunks:
                 rows = slice(span.token_start + chunk.start, span.token_start + chunk.end)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 Priority = Literal["decode_first", "prefill_first"]
 DType = Literal["bfloat16", "float32"]
+KVQuant = Literal["int8", "int4", "int2"]
 
 _GIB = 1 << 30
 
@@ -55,6 +56,13 @@ class EngineConfig:
     # KV compression (kvtier.compress): a pipeline of presses applied to each request once
     # its prompt is prefilled. None (or ratio 0 everywhere) leaves the KV untouched.
     compression: CompressionConfig | None = None
+    # Storage form of the device KV pool (like vLLM's kv_cache_dtype): None keeps the model
+    # dtype; "int8" / "int4" / "int2" store every full block packed, KIVI's axes (keys per
+    # channel over the block's tokens, values per token over `kv_quant_group` channels),
+    # the partial last block of each sequence in full precision. The same kv_cache_bytes
+    # then holds more blocks. Fixed for the engine's life (see engine/quant_pool.py).
+    kv_quant: KVQuant | None = None
+    kv_quant_group: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -67,6 +75,16 @@ class EngineConfig:
             )
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
             _require_positive_int(name, getattr(self, name))
+        if self.kv_quant not in (None, "int8", "int4", "int2"):
+            raise KvtierError(
+                f"kv_quant must be 'int8', 'int4', 'int2' or None, got {self.kv_quant!r}"
+            )
+        _require_positive_int("kv_quant_group", self.kv_quant_group)
+        if self.kv_quant is not None and self.tiers is not None:
+            raise KvtierError(
+                "kv_quant with tiers is not supported yet: the tiered connector copies "
+                "full-precision blocks; use kv_quant=None with tiers"
+            )
         if self.num_threads is not None:
             _require_positive_int("num_threads", self.num_threads)
         if self.max_model_len is not None:

@@ -35,6 +35,7 @@ from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.llama import LlamaConfig, LlamaModel, load_weights
 from kvtier.engine.outputs import EngineStats, GenerationOutput, RequestOutput, ScoreOutput
+from kvtier.engine.quant_pool import QuantizedKVPool
 from kvtier.engine.request import FinishReason, Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import Sampler, SamplingParams
@@ -63,18 +64,28 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self.namespace = config.namespace or default_namespace(model_dir, config.dtype)
         with torch.inference_mode():
-            self.kv_pool = KVPool(
-                mc.num_layers,
-                mc.num_kv_heads,
-                mc.head_dim,
-                config.block_size,
-                self.dtype,
-                self.device,
-                config.kv_cache_bytes,
-            )
+            geometry = (mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size)
+            if config.kv_quant is None:
+                self.kv_pool: KVPool | QuantizedKVPool = KVPool(
+                    *geometry, self.dtype, self.device, config.kv_cache_bytes
+                )
+            else:
+                self.kv_pool = QuantizedKVPool(
+                    *geometry,
+                    self.dtype,
+                    self.device,
+                    config.kv_cache_bytes,
+                    kv_quant=config.kv_quant,
+                    value_group=config.kv_quant_group,
+                    staging_blocks=config.max_num_seqs,
+                )
             attention = PagedAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
             self.model = LlamaModel(mc, load_weights(model_dir), attention, self.dtype, self.device)
         self.block_pool = BlockPool(self.kv_pool.num_blocks, config.enable_prefix_caching)
+        if isinstance(self.kv_pool, QuantizedKVPool):
+            # Lets the packed pool reclaim the full-precision tail of a released block.
+            refcounts = self.block_pool.ref_counts
+            self.kv_pool.block_in_use = lambda block_id: refcounts[block_id] > 0
         self.kv_manager = KVCacheManager(self.block_pool, config.block_size)
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, config.priority
@@ -494,6 +505,7 @@ class Engine:
             if self.compressor is not None and self.compressor.recorder is not None:
                 self.remove_attention_observer(self.compressor.recorder)
             self.compressor = None
+            compression = self._fit_to_pool(compression)
             if compression is not None and not compression.is_identity:
                 self.compressor = Compressor(
                     compression, self.kv_pool, self.kv_manager, self.model_config.num_heads
@@ -501,6 +513,26 @@ class Engine:
                 if self.compressor.recorder is not None:
                     self.add_attention_observer(self.compressor.recorder)
             self.config.compression = compression
+
+    def _fit_to_pool(self, compression: CompressionConfig | None) -> CompressionConfig | None:
+        """On a packed pool (kv_quant) a `kivi` press of the pool's bit width is what the
+        pool already does to every block, so it is dropped; any other width would quantize
+        twice, and is refused. On a full-precision pool `kivi` stays a simulation
+        (quantize, then store the dequantized values: its accuracy, not its bytes)."""
+        pool = self.kv_pool
+        if compression is None or not isinstance(pool, QuantizedKVPool):
+            return compression
+        kept = []
+        for press in compression.presses:
+            if press.name != "kivi":
+                kept.append(press)
+            elif press.options.get("bits", 4) != pool.bits:
+                raise KvtierError(
+                    f"the KV pool stores {self.config.kv_quant} (kv_quant); a kivi press with "
+                    f"bits={press.options.get('bits', 4)} would quantize it twice: drop the "
+                    "kivi stage or match kv_quant"
+                )
+        return compression.model_copy(update={"presses": kept})
 
     def reset_prefix_cache(self) -> int:
         """Drop all idle cached blocks (e.g. to measure a cold start); returns how many."""

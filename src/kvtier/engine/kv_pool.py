@@ -53,19 +53,18 @@ class KVPool:
             )
         # Zeros, not empty: padded attention reads slots nobody wrote, and although their
         # weights are 0, uninitialized NaN bit patterns would still poison 0 * NaN.
-        self.kv = _zeros((self.num_blocks, *self.block_shape), dtype, torch.device(device))
+        self.device = torch.device(device)
+        self.kv = zeros((self.num_blocks, *self.block_shape), dtype, self.device)
 
     @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def slot_index(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Where new tokens go: [N * kv_heads] vectors (of head_dim) of layer 0's K, in
-        (token, head) order. Computed once per step; `write_slots` shifts it per layer."""
-        h = self.num_kv_heads
-        heads = torch.arange(h, device=block_ids.device)
-        first = (block_ids * (self.num_layers * 2 * h))[:, None] + heads[None, :]
-        return (first * self.block_size + offsets[:, None]).reshape(-1)
+    def plan_writes(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Where a step's new tokens go: [N * kv_heads] vectors (of head_dim) of layer 0's
+        K, in (token, head) order. Computed once per step; `write_slots` shifts it per
+        layer. (A packed pool returns a richer plan; attention passes it back untouched.)"""
+        return token_vector_index(block_ids, offsets, self.block_shape).to(self.device)
 
     def write_slots(
         self, layer: int, slot_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -77,8 +76,11 @@ class KVPool:
         vectors.index_copy_(0, k_index, key.reshape(-1, self.head_dim))
         vectors.index_copy_(0, k_index + self._kv_stride, value.reshape(-1, self.head_dim))
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for `block_tables` [B, nb]: each [B, kv_heads, nb * bs, D]."""
+    def gather(
+        self, layer: int, block_tables: torch.Tensor, plan: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer for `block_tables` [B, nb]: each [B, kv_heads, nb * bs, D].
+        (`plan`, the step's writes, matters only to a packed pool.)"""
         b, nb = block_tables.shape
         h = self.num_kv_heads
         # Row of (block, layer, K, head) = ((block * layers + layer) * 2 * heads) + head; V
@@ -132,7 +134,19 @@ class KVPool:
         self.kv[block_id].copy_(codec.decode(payload, self.block_shape, self.dtype))
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def token_vector_index(
+    block_ids: torch.Tensor, offsets: torch.Tensor, block_shape: torch.Size
+) -> torch.Tensor:
+    """Index of each token's layer-0 K vector, per KV head ([N * kv_heads], (token, head)
+    order), in a block-major tensor of `block_shape` [layers, 2, heads, block_size, D]
+    blocks viewed as [-1, D]. The token's V vector is `heads * block_size` further on."""
+    layers, _, h, block_size, _ = block_shape
+    heads = torch.arange(h, device=block_ids.device)
+    first = (block_ids * (layers * 2 * h))[:, None] + heads[None, :]
+    return (first * block_size + offsets[:, None]).reshape(-1)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor; on CPU backed by memory advised to use transparent huge pages.
 
     Attention reads a few KB from each of many blocks spread over the whole pool every

@@ -19,6 +19,7 @@ from kvtier.engine.attention import AttentionMetadata, PrefillSpan, QueryChunk
 from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.llama import LlamaModel
+from kvtier.engine.quant_pool import QuantizedKVPool
 from kvtier.engine.request import Request
 
 # Query rows per SDPA call inside a prefill: small enough that most masked (future) keys
@@ -37,7 +38,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, pool: KVPool, kv_manager: KVCacheManager, device: str
+        self,
+        model: LlamaModel,
+        pool: KVPool | QuantizedKVPool,
+        kv_manager: KVCacheManager,
+        device: str,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -89,9 +94,7 @@ class ModelRunner:
             row += n
 
         pos_all = torch.cat(positions)
-        meta.slot_index = self.pool.slot_index(torch.cat(slot_blocks), torch.cat(slot_offsets)).to(
-            self.device
-        )
+        meta.slot_index = self.pool.plan_writes(torch.cat(slot_blocks), torch.cat(slot_offsets))
         logits = self.model.forward(
             torch.tensor(input_ids, device=self.device),
             pos_all.to(self.device),

@@ -5,9 +5,14 @@ Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICM
 channel; values are grouped along channels within one token. The `residual` most recent
 tokens stay in full precision (they get the most attention and have not filled a group).
 
-In the engine today this press is applied as quantize-then-dequantize on the request's kept
-KV, so its accuracy effect is real but the pool still stores full-precision bytes (a packed
-quantized block store beside the pool is the missing step; see docs/compression.md).
+Where the bytes really shrink is the engine's packed pool (`EngineConfig.kv_quant`,
+engine/quant_pool.py): every full block stored as INT8/INT4/INT2 codes, the partial tail in
+full precision. A pool's storage form is fixed when the engine starts, and this press is
+chosen per request pipeline (`Engine.set_compression`), so it cannot switch the pool. On a
+full-precision pool it stays a simulation: the request's kept KV is quantized and written
+back dequantized (its accuracy effect is real, its bytes are not saved). On a packed pool
+of the same bit width the engine drops it (the pool already does it), another width is an
+error (see docs/compression.md).
 """
 
 from __future__ import annotations
