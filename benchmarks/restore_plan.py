@@ -27,9 +27,11 @@ import threading
 import time
 from pathlib import Path
 
+from resume import ids, timed  # the sibling benchmark's helpers (run from benchmarks/)
+
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
-from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move
 from kvtier.policy.config import PolicyConfig
@@ -37,7 +39,6 @@ from kvtier.policy.cost_model import CostProfile, TierLink
 from kvtier.tiers import HostTier
 
 MIB = 1 << 20
-ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 class SlowLinkHost(HostTier):
@@ -52,20 +53,6 @@ class SlowLinkHost(HostTier):
             with self._link:
                 time.sleep(payload.nbytes / self.bandwidth)
         return payload
-
-
-def ids(r: random.Random, n: int) -> list[int]:
-    return [r.randrange(1000, 20000) for _ in range(n)]
-
-
-def timed(engine: Engine, prompt: list[int], session: str | None = None) -> RequestOutput:
-    rid = engine.add_request(prompt, ONE_TOKEN, session_id=session)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                final = out
-    return final
 
 
 def measured_profile(engine: Engine, bandwidth: float) -> CostProfile:
