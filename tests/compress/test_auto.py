@@ -114,3 +114,8 @@ def test_from_a_generated_workload_and_the_device_budget(model_dir):
     assert "later turns" in tight.reason and "resumed" in tight.reason
     with pytest.raises(KvtierError, match="device KV budget must be positive"):
         choose_for_workload(workload, geometry, 0)
+
+
+def test_auto_is_not_a_method_string_and_says_what_to_use():
+    with pytest.raises(KvtierError, match="choose_for_workload"):
+        parse_method("auto")

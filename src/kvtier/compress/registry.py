@@ -83,6 +83,12 @@ def parse_method(method: str) -> CompressionConfig | None:
     text = method.strip().lower()
     if text in ("full", "none", ""):
         return None
+    if text == "auto":
+        raise KvtierError(
+            "'auto' picks a preset from a workload, so it is not a method by itself: use "
+            'kvtier.compress.auto.choose_for_workload (or [compression] preset = "auto" '
+            "with kvtier bench), then pass the preset it names"
+        )
     text = PRESETS.get(text, text)
     return CompressionConfig(presses=[_parse_one(part.strip()) for part in text.split("+")])
 
