@@ -321,8 +321,8 @@ class TieredConnector:
         if start >= max_blocks or self.config.restore == "recompute" or not self._anything_stored():
             return cached
         loads = self._restore_loads(request, start)
-        leading = []
-        while loads and loads[0][1] == start + sum(end - first for _, first, end in leading):
+        leading = []  # the loads that continue the prefix without a gap
+        while loads and loads[0][1] == (leading[-1][2] if leading else start):
             leading.append(loads.pop(0))
         if loads:
             self._pending[request.request_id] = loads
@@ -357,17 +357,16 @@ class TieredConnector:
         pending = self._pending.get(request.request_id)
         return pending[0][1] * self.block_size if pending else None
 
-    def continue_restore(self, request: Request) -> int:
+    def continue_restore(self, request: Request) -> None:
         """Load the pending chunks that start where the request's prefill has got to, into
-        fresh blocks appended to its block table. Returns the tokens restored (the caller
-        advances nothing: `num_computed_tokens` is moved here). A failed load is skipped: its
-        blocks are recomputed, and the loads after it wait for the prefill again."""
+        fresh blocks appended to its block table, and move its `num_computed_tokens` past
+        them. A failed load is skipped: its blocks are recomputed, and the loads after it
+        wait for the prefill again."""
         pending = self._pending.get(request.request_id)
         if not pending:
-            return 0
+            return
         bs = self.block_size
         kv = self.engine.kv_manager
-        restored_tokens = 0
         while pending and pending[0][1] * bs == request.num_computed_tokens:
             chunk, first, end = pending.pop(0)
             ids = self._restore_chunk(request, chunk, first, end)
@@ -376,16 +375,13 @@ class TieredConnector:
             if not kv.append_computed(request, ids):
                 self.block_pool.release(ids[::-1])
                 break
-            tokens = len(ids) * bs
-            request.num_computed_tokens += tokens
-            restored_tokens += tokens
+            request.num_computed_tokens += len(ids) * bs
             self._count_late_restore(request, first, end)
         while pending and pending[0][1] * bs < request.num_computed_tokens:
             pending.pop(0)  # the prefill went past it (an allocation failed): recomputed
         if not pending:
             self._pending.pop(request.request_id, None)
             self._forget_prefetch(request.request_id)
-        return restored_tokens
 
     def _count_late_restore(self, request: Request, first: int, end: int) -> None:
         """Move restored blocks [first, end) from `recomputed` to their tier in the request's

@@ -215,12 +215,12 @@ class CostPolicy(RetentionPolicy):
             rows = np.flatnonzero(wants)
             below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
             loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
-            order = rows[np.lexsort((rows, -loss))]  # highest loss first, then key order
+            rank = np.lexsort((rows, -loss))  # highest loss first, then key order
+            order = rows[rank]
             room_left = available[tier]
             if tier == "device" and queue_bytes:
-                # the queue bids first among equals: it takes its bytes before lower bids
-                ahead = order[loss[np.searchsorted(rows, order)] > queue_bid]
-                order = np.concatenate([ahead, [-1], order[len(ahead) :]]).astype(int)
+                # the queue (-1) bids first among equals: it takes its bytes before lower bids
+                order = np.insert(order, np.count_nonzero(loss[rank] > queue_bid), -1)
             for r in order:
                 if r < 0:
                     room_left -= min(max(room_left, 0), queue_bytes)
