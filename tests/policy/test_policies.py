@@ -28,6 +28,7 @@ from kvtier.policy.view import (
     SessionView,
     TierView,
 )
+from kvtier.sim.holding import HoldingIndex
 
 MB = 10**6
 
@@ -209,6 +210,35 @@ def test_every_policy_is_deterministic_and_ignores_session_order(kv, case, seed)
     other = dataclasses.replace(view, sessions=tuple(shuffled))
     for first, second in zip(all_policies(kv), all_policies(kv), strict=True):
         assert first.decide(view, now) == second.decide(other, now), first.name
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=views(), seed=st.randoms(use_true_random=False))
+def test_every_policy_decides_the_same_from_the_simulators_holding_index(kv, case, seed):
+    view, now = case
+    index = HoldingIndex()
+    shuffled = list(view.sessions)
+    seed.shuffle(shuffled)
+    for session in shuffled:
+        index.update(session)
+    indexed = dataclasses.replace(view, holding=index.snapshot())
+    for first, second in zip(all_policies(kv), all_policies(kv), strict=True):
+        assert first.decide(view, now) == second.decide(indexed, now), first.name
+
+
+def test_holding_index_follows_sessions_as_their_chunks_move(kv):
+    index = HoldingIndex()
+    a, b = kv.session("a", 600), kv.session("b", 300, tier="host")
+    index.update(a)
+    index.update(b)
+    assert index.snapshot() == {"device": (a,), "host": (b,)}
+    moved = dataclasses.replace(a, chunks=kv.chunks(600, "disk"))
+    index.update(moved)
+    assert index.snapshot() == {"host": (b,), "disk": (moved,)}
+    index.forget("b")
+    assert index.snapshot() == {"disk": (moved,)}
+    view = kv.view([moved], {"device": kv.GB, "disk": kv.GB})
+    assert view.holders("disk") == (moved,) and view.holders("device") == ()
 
 
 def test_pressure_is_relieved_when_enough_is_movable(kv):

@@ -78,6 +78,31 @@ def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(sm
     assert result.run.decisions["demote"]["device"] == 16 + 17
 
 
+@pytest.mark.parametrize("write_through", [False, True])
+def test_write_through_makes_a_demotion_under_pressure_free(write_through):
+    """Session a's 4,096 tokens fill two thirds of the pool; b needs more than the rest, so
+    offload demotes a's oldest chunks to host. Without write-through b waits for that copy;
+    with it, a's full chunks were copied when its turn ended, and b starts at once."""
+    a_bytes = deployment().kv_bytes(4096)
+    dep = deployment(device_kv_bytes=a_bytes * 3 // 2, write_through=write_through)
+    model = StepModel(dep.profile, dep.geometry, dep.tp)
+    requests = [request("a", 0, 0.0, 4000, 96), request("b", 0, 100.0, 4000, 1)]
+    result = simulate(requests, dep, policy("offload"))
+    b = result.run.requests[1]
+    host = result.run.tiers["host"]
+    chunk_bytes = dep.kv_bytes(256)
+    demoted = result.run.decisions["demote"]["device"]
+    assert demoted > 0 and b.restored_tokens == {}
+    if write_through:
+        assert b.ttft_s == pytest.approx(model.prefill_s(4000), rel=1e-9)
+        # every full chunk, once: a's 16, then b's 15 when its turn ended (4,001 tokens)
+        assert host.bytes_written == host.resident_bytes == 31 * chunk_bytes
+    else:
+        spill = model.transfer_s(demoted * chunk_bytes, "host", write=True)
+        assert b.ttft_s > model.prefill_s(4000) + 0.5 * spill
+        assert host.bytes_written == demoted * chunk_bytes
+
+
 def test_a_request_too_long_for_the_model_fails_and_is_counted(small):
     requests = [request("a", 0, 0.0, 200_000, 10), request("b", 0, 1.0, 1000, 10)]
     records = simulate(requests, small, policy("retain")).run.requests
@@ -98,9 +123,14 @@ def workload():
     return flatten(generate(config, seed=3))
 
 
+@pytest.mark.parametrize("write_through", [False, True])
 @pytest.mark.parametrize("name", ["retain", "recompute", "offload", "cost", "oracle"])
-def test_every_request_is_accounted_for_and_tier_bytes_balance(workload, name):
-    dep = deployment(device_kv_bytes=8 * GB, tier_bytes={"host": 20 * GB, "disk": 200 * GB})
+def test_every_request_is_accounted_for_and_tier_bytes_balance(workload, name, write_through):
+    dep = deployment(
+        device_kv_bytes=8 * GB,
+        tier_bytes={"host": 20 * GB, "disk": 200 * GB},
+        write_through=write_through,
+    )
     run = simulate(workload, dep, policy(name, interval_s=30.0)).run
     assert len(run.requests) == len(workload)
     assert all(r.failed or (r.finish_s >= r.first_token_s >= r.arrival_s) for r in run.requests)

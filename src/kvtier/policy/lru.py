@@ -21,7 +21,7 @@ def lru_order(view: PolicyView, now: float, tier: str) -> Iterator[tuple[ChunkKe
     heap): a plan usually takes a few victims from a tier holding thousands of chunks."""
     found = [
         (session.priority, chunk.last_access, session.session_id, chunk.index, chunk)
-        for session in view.candidates(now)
+        for session in view.candidates_in(tier, now)
         for chunk in session.chunks_in(tier)
     ]
     heapq.heapify(found)  # (session id, index) is unique, so ChunkViews are never compared

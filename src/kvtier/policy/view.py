@@ -8,6 +8,7 @@ identified by `(session_id, chunk.index)` and cover the session's tokens in orde
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -84,6 +85,10 @@ class SessionView:
     def chunks_in(self, tier: str) -> tuple[ChunkView, ...]:
         return self._by_tier.get(tier, ())
 
+    def tiers_held(self) -> tuple[str, ...]:
+        """The tiers holding at least one of this session's chunks."""
+        return tuple(self._by_tier)
+
     @cached_property
     def _by_tier(self) -> dict[str, tuple[ChunkView, ...]]:
         by_tier: dict[str, list[ChunkView]] = {}
@@ -118,7 +123,12 @@ class QueueView:
 @dataclass(frozen=True)
 class PolicyView:
     """The snapshot. `reason="pressure"` means the engine could not allocate: after the actions
-    it needs `bytes_needed` bytes free on the device (a total, not an increment)."""
+    it needs `bytes_needed` bytes free on the device (a total, not an increment).
+
+    `holding` is an optional index a builder that keeps one passes along (the simulator does):
+    per tier, the sessions of `sessions` with a chunk there. Without it, `holders` derives the
+    same from `sessions`; with it, an LRU policy looking for the device's victims among ten
+    thousand sessions visits only the few hundred the device holds."""
 
     sessions: tuple[SessionView, ...]
     tiers: tuple[TierView, ...]
@@ -126,6 +136,9 @@ class PolicyView:
     bytes_per_token: int = 0  # full-form KV bytes of one token, to price the queue's needs
     reason: Reason = "timer"
     bytes_needed: int = 0
+    holding: Mapping[str, tuple[SessionView, ...]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         names = [tier.name for tier in self.tiers]
@@ -171,3 +184,19 @@ class PolicyView:
         )
         self.__dict__["_candidates"] = (now, found)
         return found
+
+    def holders(self, tier: str) -> tuple[SessionView, ...]:
+        """Sessions with at least one chunk in `tier`, in no particular order."""
+        if self.holding is None:
+            index: dict[str, list[SessionView]] = {}
+            for session in self.sessions:
+                for name in session.tiers_held():
+                    index.setdefault(name, []).append(session)
+            object.__setattr__(
+                self, "holding", {name: tuple(found) for name, found in index.items()}
+            )
+        return self.holding.get(tier, ())
+
+    def candidates_in(self, tier: str, now: float) -> tuple[SessionView, ...]:
+        """The `candidates` holding chunks in `tier`."""
+        return tuple(session for session in self.holders(tier) if not session.protected(now))

@@ -92,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the policy timer only after engine steps, as kvtier's engine does (validation)",
     )
+    hw.add_argument(
+        "--write-through",
+        action="store_true",
+        help="copy each turn's full chunks to the top lower tier as it ends (tiers.write_through)",
+    )
     sw = parser.add_argument_group("sweep")
     sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
     sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
@@ -221,6 +226,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         max_batched_tokens=args.max_batched_tokens,
         resume_after_s=args.resume_after,
         timer_after_steps=args.timer_after_steps,
+        write_through=args.write_through,
     )
 
 

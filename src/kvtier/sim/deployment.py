@@ -43,6 +43,11 @@ class Deployment:
     # policy; True mirrors that (a tick that finds the replica idle waits for its next step),
     # False runs the policy on its timer whatever the replica does.
     timer_after_steps: bool = False
+    # Write-through (LMCache's default, SGLang HiCache's write_through): at the end of each
+    # turn, full chunks without a copy are written to the top lower tier in the background
+    # while they stay on the device, so a later demotion there frees device memory at once.
+    # The copies fill space the policies see as free and are dropped first when it is needed.
+    write_through: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -124,4 +129,5 @@ class Deployment:
             "resume_after_s": self.resume_after_s,
             "pressure_headroom": self.pressure_headroom,
             "timer_after_steps": self.timer_after_steps,
+            "write_through": self.write_through,
         }

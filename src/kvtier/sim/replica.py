@@ -51,6 +51,7 @@ from kvtier.results.records import RequestRecord, TurnKind
 from kvtier.sim.channel import Channel
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.events import EventLoop
+from kvtier.sim.holding import HoldingIndex
 from kvtier.sim.session import SimSession
 from kvtier.sim.step_model import StepModel
 from kvtier.tiers.payload import Payload
@@ -162,6 +163,12 @@ class Replica:
                 Channel(loop, path.write.bandwidth) if path.duplex else self.read[name]
             )
         self.bytes_per_token = deployment.bytes_per_token
+        # write-through copies, oldest first: (session id, chunk) -> session; dropped first
+        # when their tier needs the room, so policies see the space they fill as free
+        self.copies: dict[tuple[str, int], SimSession] = {}
+        self.copy_bytes = 0
+        self.top_tier = next(iter(deployment.tiers), None)
+        self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
         self.pending_free = 0  # of those, bytes being spilled (freed when the copy ends)
@@ -169,6 +176,7 @@ class Replica:
         self._futile_epoch = -1  # memory epoch of the last pressure call that freed too little
         self.sessions: dict[str, SimSession] = {}
         self.tracked: dict[str, SimSession] = {}  # what policy views show
+        self.holding = HoldingIndex()  # of the tracked sessions, who holds KV in which tier
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish count, order, request)
@@ -309,6 +317,8 @@ class Replica:
             return
         size = self.deployment.kv_bytes(valid - index * self.deployment.chunk_tokens)
         if size < session.sizes[index]:
+            if session.copied[index]:
+                self._uncopy(session, index)  # the copy holds the old, longer chunk
             self.used -= session.sizes[index] - size
             self.epoch += 1
             session.sizes[index] = size
@@ -574,6 +584,8 @@ class Replica:
         ]
         self.used += sum(sizes) - (r.device_base + r.allocated)
         session.reset(total, sizes, now)
+        if self.deployment.write_through and self.top_tier is not None:
+            self._write_through(session)
         self.running -= 1
         self._end_turn(r)
 
@@ -610,23 +622,32 @@ class Replica:
         for session_id, s in list(self.tracked.items()):
             if not s.busy and not s.view().chunks and now - s.idle_since > self.track_s:
                 del self.tracked[session_id]
+                self.holding.forget(session_id)
         self._kick()
 
     def view(self, reason: Reason = "timer", bytes_needed: int = 0) -> PolicyView:
         tiers = [TierView("device", self.used - self.pending_free, self.capacity)]
         if self.store is not None:
             tiers += [
-                TierView(name, tier.used_bytes, tier.capacity_bytes)
+                TierView(
+                    name,
+                    tier.used_bytes - (self.copy_bytes if name == self.top_tier else 0),
+                    tier.capacity_bytes,
+                )
                 for name, tier in self.store.tiers.items()
             ]
         waiting_bytes = sum(r.reserve - r.device_base - r.allocated for r in self.waiting)
+        sessions = tuple(s.view() for s in self.tracked.values())
+        for session in sessions:
+            self.holding.update(session)
         return PolicyView(
-            tuple(s.view() for s in self.tracked.values()),
+            sessions,
             tuple(tiers),
             QueueView(len(self.waiting), math.ceil(waiting_bytes / self.bytes_per_token)),
             bytes_per_token=self.bytes_per_token,
             reason=reason,
             bytes_needed=bytes_needed,
+            holding=self.holding.snapshot(),
         )
 
     def _decide(self, reason: Reason, bytes_needed: int) -> None:
@@ -666,6 +687,16 @@ class Replica:
     def _move(self, session: SimSession, i: int, tier: str, spills: dict[str, list[int]]) -> None:
         size, source, chunk = session.sizes[i], session.tiers[i], session.chunk(i)
         target = self.store.tiers.get(tier) if self.store is not None else None
+        if source == "device" and session.copied[i]:
+            # the copy becomes the chunk: the device frees its bytes now, with no transfer
+            self._forget_copy(session, i)
+            session.tiers[i] = source = self.top_tier
+            self.used -= size
+            self.epoch += 1
+            if tier == source:
+                return
+        if target is not None and tier == self.top_tier:
+            self._reclaim(target, size)
         if target is None or not target.fits(size):
             self._drop_chunk(session, i)
         elif source == "device":
@@ -684,6 +715,8 @@ class Replica:
     def _drop_chunk(self, session: SimSession, i: int) -> None:
         tier = session.tiers[i]
         if tier == "device":
+            if session.copied[i]:
+                self._uncopy(session, i)  # a drop frees the KV everywhere
             self.used -= session.sizes[i]
             self.epoch += 1
         elif tier is not None:
@@ -691,6 +724,46 @@ class Replica:
             self.dropped[tier] += session.sizes[i]
         session.tiers[i] = None
         session.changed()
+
+    # -- write-through copies ----------------------------------------------------------
+
+    def _write_through(self, session: SimSession) -> None:
+        """Copy the full chunks that have no copy yet to the top tier, in one background
+        write (the partial last chunk changes with the next turn, so it is not copied)."""
+        top = self.store.tiers[self.top_tier]
+        written = []
+        for i, size in enumerate(session.sizes):
+            if session.copied[i] or size != self.full_chunk_bytes:
+                continue
+            self._reclaim(top, size)
+            if not top.fits(size):
+                break  # the tier is full of chunks the policies placed there
+            self.store.put(session.chunk(i), Payload.sized(size), tier=self.top_tier)
+            self._add_copy(session, i)
+            written.append(size)
+        if written:
+            self._write(self.top_tier, written, None)
+
+    def _add_copy(self, session: SimSession, i: int) -> None:
+        session.copied[i] = True
+        self.copies[(session.session_id, i)] = session
+        self.copy_bytes += session.sizes[i]
+
+    def _forget_copy(self, session: SimSession, i: int) -> None:
+        session.copied[i] = False
+        del self.copies[(session.session_id, i)]
+        self.copy_bytes -= session.sizes[i]
+
+    def _uncopy(self, session: SimSession, i: int) -> None:
+        self._forget_copy(session, i)
+        self.store.delete(session.chunk(i).id)
+        self.dropped[self.top_tier] += session.sizes[i]
+
+    def _reclaim(self, tier: SizeOnlyTier, size: int) -> None:
+        """Drop the oldest copies until `size` bytes fit: they only save a future transfer."""
+        while not tier.fits(size) and self.copies:
+            session_id, i = next(iter(self.copies))
+            self._uncopy(self.copies[(session_id, i)], i)
 
     # -- results -------------------------------------------------------------------------
 

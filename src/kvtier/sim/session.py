@@ -29,6 +29,7 @@ class SimSession:
         "block_tokens",
         "busy",
         "chunk_tokens",
+        "copied",
         "hash_ids",
         "idle_since",
         "pending",
@@ -51,6 +52,8 @@ class SimSession:
         self.tiers: list[str | None] = []
         self.sizes: list[int] = []
         self.access: list[float] = []
+        # write-through: chunk i (on the device) also has a clean copy in the top lower tier
+        self.copied: list[bool] = []
         self.busy = False  # a turn is queued or running
         self.active = False  # ... and its KV is in use: restored, loading or computed
         self.idle_since: float | None = None
@@ -82,8 +85,10 @@ class SimSession:
         return [i for i, tier in enumerate(self.tiers) if tier is not None]
 
     def reset(self, tokens: int, sizes: list[int], now: float) -> None:
-        """The whole context is on the device now (a turn just ended)."""
+        """The whole context is on the device now (a turn just ended). Copies of chunks the
+        turn kept stay valid: the caller deleted those of chunks it changed."""
         self.tokens = tokens
+        self.copied = self.copied[: len(sizes)] + [False] * (len(sizes) - len(self.copied))
         self.tiers = ["device"] * len(sizes)
         self.sizes = sizes
         self.access = [now] * len(sizes)
@@ -91,7 +96,7 @@ class SimSession:
 
     def truncate(self, chunks: int) -> None:
         """Forget chunks from `chunks` on (the caller has freed them)."""
-        del self.tiers[chunks:], self.sizes[chunks:], self.access[chunks:]
+        del self.tiers[chunks:], self.sizes[chunks:], self.access[chunks:], self.copied[chunks:]
         self.tokens = min(self.tokens, chunks * self.chunk_tokens)
         self._view = None
 
