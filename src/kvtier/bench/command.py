@@ -74,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--host-bytes", default="1GiB", metavar="SIZE", help="host tier (1GiB)")
     eng.add_argument("--disk-bytes", default="0", metavar="SIZE", help="disk tier (0: none)")
     eng.add_argument("--disk-path", metavar="DIR", help="disk tier folder")
+    eng.add_argument(
+        "--write-through",
+        action="store_true",
+        help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
+    )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     eng.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
     eng.add_argument(
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         "num_threads": 1 if args.quick and args.threads is None else args.threads,
         "session_resume_after_s": args.resume_after,
     }
-    tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path)
+    tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path, args.write_through)
     compression, compression_note = _compression(args, workload, kv_bytes)
     base["compression"] = compression
     results = []

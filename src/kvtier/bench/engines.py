@@ -20,7 +20,9 @@ def validate_policies(names: Sequence[str]) -> None:
         resolve_policy(name)
 
 
-def tiers_config(host_bytes: int, disk_bytes: int, disk_dir: str | None) -> TiersConfig | None:
+def tiers_config(
+    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool = False
+) -> TiersConfig | None:
     """The engine's tier settings (None: device only)."""
     if host_bytes <= 0 and disk_bytes <= 0:
         return None
@@ -28,7 +30,9 @@ def tiers_config(host_bytes: int, disk_bytes: int, disk_dir: str | None) -> Tier
 
     if disk_bytes and not disk_dir:
         raise KvtierError("--disk-bytes needs --disk-path (the disk tier's folder)")
-    return TiersConfig(host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=disk_dir)
+    return TiersConfig(
+        host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=disk_dir, write_through=write_through
+    )
 
 
 def engine_config(

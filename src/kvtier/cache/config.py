@@ -30,6 +30,12 @@ class TiersConfig:
     config's profile) and recomputes when it says that is faster, "recompute" never loads.
     `spill_on_evict`: demote cached blocks the device pool reuses instead of dropping them;
     None follows the policy (`retain` and `recompute` drop, others cascade).
+    `write_through`: when a request finishes, copy its computed full chunks that no tier holds
+    yet to the top tier right away (in the background, the device blocks staying cached), as
+    LMCache does by default and SGLang HiCache's `write_through` policy; only where eviction
+    spills (`spill_on_evict`). A later eviction or policy move of such a chunk then frees its
+    device blocks with no copy; the price is the bytes written for every finished turn, also
+    for sessions that never come back or stay on device until they do.
     `swap_on_preempt`: a request preempted for lack of blocks has its computed blocks spilled
     when the pool reuses them (swap-out), and restored at re-admission, instead of recomputed.
     Spills and writes down the cascade run on background workers: `spill_queue` bounds the
@@ -55,6 +61,7 @@ class TiersConfig:
     restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
     prefetch: bool = True  # start loads when a request is queued
     spill_on_evict: bool | None = None
+    write_through: bool = False
     swap_on_preempt: bool = True
     spill_queue: int = 16
     retries: int = 2

@@ -26,7 +26,8 @@ In the spirit of vLLM's KV connector, the engine calls it at fixed points:
 - `on_admitted`: the prompt tokens' sources (device / host / disk / remote / recomputed)
   go onto the request's metrics and the connector's counters.
 - `on_request_finished`: a session's block keys are remembered, chunked, for the policy
-  runner and for eviction-time spills.
+  runner and for eviction-time spills; with `write_through`, its full chunks no tier holds
+  are gathered and queued for the top tier now, so evicting them later costs no copy.
 - `after_step`: finished background writes are accounted; the policy runner's timer and
   pressure checks (its moves, demotes and deletes are queued on the mover too).
 """
@@ -125,6 +126,7 @@ class TieredConnector:
         self.spill_on_evict = (
             spill if spill is not None else self.runner.policy_name not in ("retain", "recompute")
         )
+        self.write_through = tiers_config.write_through and self.spill_on_evict
         # block key -> its chunk in the latest finished (or preempted) sequence
         self._chunk_of: dict[bytes, _ChunkOf] = {}
         # keys of blocks restored from a tier and not yet counted at an admission -> tier
@@ -544,10 +546,35 @@ class TieredConnector:
         self._pending.pop(request.request_id, None)
         self._forget_prefetch(request.request_id)
         keys = self._remember_chunks(request, swap=False)
+        if self.write_through:
+            self._write_through(keys, self.namespace_of(request))
         if keys and request.session_id is not None:
             self.runner.remember_session(
                 request.session_id, tuple(keys), self.namespace_of(request)
             )
+
+    def _write_through(self, keys: list[bytes], namespace: str) -> None:
+        """Queue each full chunk of a finished request that no tier holds (nor is being
+        written) for the top tier, its device blocks staying cached. The partial tail chunk
+        is left: the next turn extends it into a chunk with another id. A chunk restored from
+        a tier this turn is found there and not written again."""
+        for chunk_keys in self.chunk_keys(keys):
+            chunk = Chunk(chunk_keys, namespace)
+            if len(chunk_keys) < self.blocks_per_chunk or self.locate(chunk.id) is not None:
+                continue
+            ids = [b for b in map(self.block_pool.lookup, chunk_keys) if b is not None]
+            if len(ids) < len(chunk_keys):
+                continue  # some block was never cached: no whole chunk to copy
+            payload = self.gather(ids)
+
+            def done(ok: bool, nbytes: int = payload.nbytes) -> None:
+                if ok:
+                    self.counters["written_through_chunks"] += 1
+                    self.counters["written_through_bytes"] += nbytes
+                else:
+                    self.counters["write_through_failures"] += 1  # queue full, or failed
+
+            self.writes.put(chunk, payload, None, done, self.form_of(ids))
 
     def on_preempted(self, request: Request) -> None:
         """Called by the scheduler before it releases a preempted request's blocks: with
