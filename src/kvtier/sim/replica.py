@@ -168,6 +168,13 @@ class Replica:
         self.copies: dict[tuple[str, int], SimSession] = {}
         self.copy_bytes = 0
         self.top_tier = next(iter(deployment.tiers), None)
+        # as the engine's connector: policies that never demote (retain, recompute) drop what
+        # leaves the device, so copying it would only cost writes
+        self.write_through = (
+            deployment.write_through
+            and self.top_tier is not None
+            and policy.name not in ("retain", "recompute")
+        )
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
@@ -584,7 +591,7 @@ class Replica:
         ]
         self.used += sum(sizes) - (r.device_base + r.allocated)
         session.reset(total, sizes, now)
-        if self.deployment.write_through and self.top_tier is not None:
+        if self.write_through:
             self._write_through(session)
         self.running -= 1
         self._end_turn(r)

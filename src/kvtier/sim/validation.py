@@ -100,6 +100,11 @@ def setup_mismatches(simulated: Mapping[str, Any], measured: Mapping[str, Any]) 
             engine.get("session_resume_after_s"),
         ),
         ("chunk tokens", simulated.get("chunk_tokens"), tiers.get("chunk_tokens", 256)),
+        (
+            "write-through",
+            simulated.get("write_through", False),
+            tiers.get("write_through", False),
+        ),
         ("workload", simulated.get("workload"), workload.get("name")),
         ("workload seed", simulated.get("seed"), workload.get("seed")),
         ("workload settings", list(simulated.get("workload_set") or []),
