@@ -17,17 +17,28 @@ from kvtier.policy.view import ChunkView, PolicyView
 
 def lru_order(view: PolicyView, now: float, tier: str) -> Iterator[tuple[ChunkKey, ChunkView]]:
     """Chunks in `tier` a policy may move, first victim first: lower priority, then older
-    access, then front chunks; session id breaks ties so the order is deterministic. Lazy (a
-    heap): a plan usually takes a few victims from a tier holding thousands of chunks."""
-    found = [
-        (session.priority, chunk.last_access, session.session_id, chunk.index, chunk)
-        for session in view.candidates_in(tier, now)
-        for chunk in session.chunks_in(tier)
-    ]
-    heapq.heapify(found)  # (session id, index) is unique, so ChunkViews are never compared
-    while found:
-        _, _, session_id, index, chunk = heapq.heappop(found)
-        yield (session_id, index), chunk
+    access, then front chunks; session id breaks ties so the order is deterministic. Lazy: a
+    plan usually takes a few victims from a tier holding thousands of chunks, so this merges
+    the sessions' own oldest-first lists (cached on their views) through a heap of one entry
+    per session."""
+    heap = []
+    for session in view.candidates_in(tier, now):
+        chunks = session.oldest_first(tier)
+        if chunks:
+            first = chunks[0]
+            sid = session.session_id
+            heap.append((session.priority, first.last_access, sid, first.index, 0, chunks))
+    heapq.heapify(heap)  # (session id, index) is unique, so the last two are never compared
+    while heap:
+        priority, _, session_id, index, position, chunks = heap[0]
+        yield (session_id, index), chunks[position]
+        position += 1
+        if position < len(chunks):
+            after = chunks[position]
+            entry = (priority, after.last_access, session_id, after.index, position, chunks)
+            heapq.heapreplace(heap, entry)
+        else:
+            heapq.heappop(heap)
 
 
 def make_room(

@@ -85,6 +85,16 @@ class SessionView:
     def chunks_in(self, tier: str) -> tuple[ChunkView, ...]:
         return self._by_tier.get(tier, ())
 
+    def oldest_first(self, tier: str) -> tuple[ChunkView, ...]:
+        """`chunks_in(tier)` by (last access, index): the order LRU victims leave in."""
+        memo = self.__dict__.setdefault("_oldest_first", {})
+        found = memo.get(tier)
+        if found is None:
+            found = memo[tier] = tuple(
+                sorted(self.chunks_in(tier), key=lambda c: (c.last_access, c.index))
+            )
+        return found
+
     def tiers_held(self) -> tuple[str, ...]:
         """The tiers holding at least one of this session's chunks."""
         return tuple(self._by_tier)
