@@ -103,6 +103,27 @@ def test_write_through_makes_a_demotion_under_pressure_free(write_through):
         assert host.bytes_written == demoted * chunk_bytes
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_new_conversation_reuses_the_leading_blocks_another_one_computed(shared):
+    """b's prompt starts with the same 100 blocks as a's (a shared system prompt and
+    document); the engine's prefix cache finds them, and so does the simulator with
+    shared prefixes, up to the 64 leading blocks it records."""
+    dep = deployment(shared_prefixes=shared)
+    model = StepModel(dep.profile, dep.geometry, dep.tp)
+    a = request("a", 0, 0.0, 4000, 4)
+    b = request("b", 0, 100.0, 4000, 4, hash_ids=tuple(range(100)) + tuple(range(-150, 0)))
+    c = request("c", 0, 200.0, 4000, 4, hash_ids=tuple(range(-300, -50)))  # nothing in common
+    records = simulate([a, b, c], dep, policy("retain")).run.requests
+    assert records[0].restored_tokens == {} and records[2].restored_tokens == {}
+    assert records[2].ttft_s == pytest.approx(model.prefill_s(4000), rel=1e-9)
+    if shared:
+        assert records[1].restored_tokens == {"device": 64 * 16}
+        assert records[1].ttft_s == pytest.approx(model.prefill_s(4000 - 1024, 1024), rel=1e-9)
+    else:
+        assert records[1].restored_tokens == {}
+        assert records[1].ttft_s == pytest.approx(model.prefill_s(4000), rel=1e-9)
+
+
 def test_a_request_too_long_for_the_model_fails_and_is_counted(small):
     requests = [request("a", 0, 0.0, 200_000, 10), request("b", 0, 1.0, 1000, 10)]
     records = simulate(requests, small, policy("retain")).run.requests

@@ -145,14 +145,15 @@ def test_lengths_from_a_bench_run_replace_the_generators_and_share_the_recorded_
     tmp_path,
 ):
     records = [
-        {"request_id": "s/0", "prompt_tokens": 90, "output_tokens": 7, "restored_tokens": {}},
+        {"request_id": "s/0", "prompt_tokens": 90, "output_tokens": 7,
+         "restored_tokens": {"device": 32}},
         {"request_id": "s/1", "prompt_tokens": 150, "output_tokens": 5,
          "restored_tokens": {"device": 48, "recomputed": 16}},
         {"request_id": "t/0", "prompt_tokens": 0, "output_tokens": 0, "failed": True},
     ]  # fmt: skip
     (tmp_path / "requests-offload.jsonl").write_text("\n".join(map(json.dumps, records)))
     lengths = measured_lengths(tmp_path / "results.json")
-    assert lengths == {"s/0": (90, 7, 0), "s/1": (150, 5, 64)}  # failed ones are not taken
+    assert lengths == {"s/0": (90, 7, 32), "s/1": (150, 5, 64)}  # failed ones are not taken
     turns = [
         request("s", 0, 0.0, 100, 10),
         request("s", 1, 5.0, 200, 10),
@@ -163,6 +164,10 @@ def test_lengths_from_a_bench_run_replace_the_generators_and_share_the_recorded_
     assert (second.prompt_tokens, second.output_tokens, len(second.hash_ids)) == (150, 5, 10)
     assert second.hash_ids[:4] == first.hash_ids[:4]  # 64 tokens of history: 4 blocks
     assert second.hash_ids[4] not in first.hash_ids
+    # a first turn's history came from other sessions (a shared system prompt): it keeps the
+    # generator's ids for those 2 blocks, which the other sessions of its app share
+    assert first.hash_ids[:2] == turns[0].hash_ids[:2]
+    assert first.hash_ids[2] not in turns[0].hash_ids
     assert other == turns[2]  # no record: as generated
     with pytest.raises(KvtierError, match=r"no requests-<policy>\.jsonl next to"):
         measured_lengths(tmp_path / "elsewhere" / "results.json")

@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="copy each turn's full chunks to the top lower tier as it ends (tiers.write_through)",
     )
+    hw.add_argument(
+        "--shared-prefixes",
+        action="store_true",
+        help="let a new conversation reuse leading blocks other conversations computed, as the "
+        "engine's prefix cache does (system prompts; validation)",
+    )
     sw = parser.add_argument_group("sweep")
     sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
     sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
@@ -227,6 +233,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         resume_after_s=args.resume_after,
         timer_after_steps=args.timer_after_steps,
         write_through=args.write_through,
+        shared_prefixes=args.shared_prefixes,
     )
 
 

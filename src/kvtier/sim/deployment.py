@@ -48,6 +48,9 @@ class Deployment:
     # while they stay on the device, so a later demotion there frees device memory at once.
     # The copies fill space the policies see as free and are dropped first when it is needed.
     write_through: bool = False
+    # The engine's prefix cache also finds blocks other conversations computed (a system
+    # prompt, a shared document). True models that for leading blocks: see docs/simulate.md.
+    shared_prefixes: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -130,4 +133,5 @@ class Deployment:
             "pressure_headroom": self.pressure_headroom,
             "timer_after_steps": self.timer_after_steps,
             "write_through": self.write_through,
+            "shared_prefixes": self.shared_prefixes,
         }

@@ -64,6 +64,10 @@ from kvtier.workload.model import Request
 GATE_NONE, GATE_EARLY, GATE_ALL = 0, 1, 2
 
 
+SHARED_BLOCKS = 64  # leading blocks of a new conversation recorded for sharing
+SHARED = ""  # block owner once two conversations computed it (no session id is empty)
+
+
 class SimRequest:
     __slots__ = (
         "allocated",
@@ -85,6 +89,7 @@ class SimRequest:
         "segment",
         "segments",
         "session",
+        "shared",
         "valid",
     )
 
@@ -94,6 +99,7 @@ class SimRequest:
         self.prompt = request.prompt_tokens
         self.output = max(1, request.output_tokens)
         self.valid = 0  # history tokens whose KV the session holds
+        self.shared = 0  # of those, leading tokens other sessions computed (shared prefixes)
         self.committed = False  # restore planned, session KV pinned
         self.segments: list[tuple[int, int, int]] = []  # (start, end, gate) to prefill, in order
         self.segment = 0
@@ -184,6 +190,9 @@ class Replica:
         self.sessions: dict[str, SimSession] = {}
         self.tracked: dict[str, SimSession] = {}  # what policy views show
         self.holding = HoldingIndex()  # of the tracked sessions, who holds KV in which tier
+        # leading block id of a new conversation's prompt -> the session that computed it, or
+        # SHARED once a second one did (shared prefixes)
+        self.block_owner: dict[int, str] = {}
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (finish count, order, request)
@@ -352,6 +361,10 @@ class Replica:
         session.active, session.idle_since = True, None
         session.changed()
         r.committed = True
+        if self.deployment.shared_prefixes and not session.tokens:
+            # looked up when the scheduler takes the request, as the engine's prefix cache
+            # is: blocks other conversations computed while this one waited count
+            r.valid = r.shared = session.tokens = self._shared_prefix(r)
         count = len(session.tiers)
         recompute, loads = plan
         restored: Counter[str] = Counter()
@@ -367,6 +380,8 @@ class Replica:
                 restored[tier] += end - start
                 if tier == "device":
                     r.device_base += session.sizes[i]
+        if r.shared:
+            restored["device"] += r.shared
         r.record.restored_tokens = dict(restored)
         last_recompute = max(recompute, default=-1)
         early = [i for i in loads if i < last_recompute]
@@ -569,6 +584,8 @@ class Replica:
 
     def _first_token(self, r: SimRequest) -> None:
         r.record.first_token_s = self.loop.now
+        if self.deployment.shared_prefixes and r.record.turn_kind == "new":
+            self._share(r.session)
         if r.output == 1:
             self._finish(r)
             return
@@ -731,6 +748,35 @@ class Replica:
             self.dropped[tier] += session.sizes[i]
         session.tiers[i] = None
         session.changed()
+
+    # -- shared prefixes ---------------------------------------------------------------
+
+    def _share(self, session: SimSession) -> None:
+        """Record the leading blocks a new conversation computed, for later conversations
+        whose prompts start the same way. Only the first SHARED_BLOCKS: shared prefixes are
+        system prompts and the like, and recording every block of 100,000 requests would
+        not fit in memory."""
+        for block in session.hash_ids[:SHARED_BLOCKS]:
+            owner = self.block_owner.setdefault(block, session.session_id)
+            if owner != session.session_id:
+                self.block_owner[block] = SHARED
+
+    def _shared_prefix(self, r: SimRequest) -> int:
+        """Leading tokens of the prompt that other conversations computed: the engine's prefix
+        cache finds them on the device (hot shared blocks are assumed to stay there). A block
+        only this session computed is its own history, which the policy may have dropped."""
+        session, count = r.session, 0
+        for block in session.hash_ids[:SHARED_BLOCKS]:
+            owner = self.block_owner.get(block)
+            if owner is None or owner == session.session_id:
+                break
+            count += 1
+        tokens = int(count * session.block_tokens)
+        measured = self.histories.get(r.record.request_id)
+        if measured is not None:
+            tokens = min(tokens, measured)
+        tokens = tokens // self.deployment.block_tokens * self.deployment.block_tokens
+        return max(0, min(tokens, r.prompt - 1))
 
     # -- write-through copies ----------------------------------------------------------
 

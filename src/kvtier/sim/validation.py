@@ -123,6 +123,11 @@ def setup_mismatches(simulated: Mapping[str, Any], measured: Mapping[str, Any]) 
             "policy timer: simulated on its clock, measured after engine steps only "
             "(give --timer-after-steps)"
         )
+    if not simulated.get("shared_prefixes", True):
+        problems.append(
+            "shared prefixes: simulated per conversation, the engine's prefix cache shares "
+            "blocks across conversations (give --shared-prefixes)"
+        )
     if simulated.get("replicas", 1) != 1:
         problems.append(f"replicas: simulated {simulated.get('replicas')}, measured 1 engine")
     return problems
@@ -173,7 +178,10 @@ def with_lengths(
             continue
         prompt, output, history = found
         block = request.block_tokens or 16
-        shared = previous.get(request.session_id, ())[: int(history // block)]
+        # a first turn's history is what other sessions computed (a shared system prompt):
+        # it keeps the generator's ids, which sessions of one app share
+        before = previous.get(request.session_id, request.hash_ids)
+        shared = before[: int(history // block)]
         blocks = math.ceil(prompt / block)
         hash_ids = shared + tuple(next(fresh) for _ in range(blocks - len(shared)))
         previous[request.session_id] = hash_ids
