@@ -18,7 +18,6 @@ the steps' sum would grow by about the writes' sum; it does not.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import statistics
@@ -26,14 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import overflow_sessions as overflow
+
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
-from kvtier.engine import Engine, EngineConfig, SamplingParams
-from kvtier.engine.llama import LlamaConfig
-from kvtier.models import resolve_model_dir
+from kvtier.engine import Engine
 
 MIB = 1 << 20
-FEW = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 def tiers(workdir: Path, spill: bool, chunk_tokens: int) -> TiersConfig:
@@ -53,13 +51,11 @@ def tiers(workdir: Path, spill: bool, chunk_tokens: int) -> TiersConfig:
 def run(engine: Engine, args: argparse.Namespace, seed: int) -> list[float]:
     """Rounds of turns over sessions that overflow the pool; each step's wall time."""
     r = random.Random(seed)
-    histories = [
-        [r.randrange(1000, 20000) for _ in range(args.prompt_tokens)] for _ in range(args.sessions)
-    ]
     steps: list[float] = []
+    sessions = overflow.histories(r, args)
     for _ in range(args.rounds):
-        for i, history in enumerate(histories):
-            rid = engine.add_request(history, FEW, session_id=f"s{i}")
+        for i, history in enumerate(sessions):
+            rid = engine.add_request(history, overflow.FEW, session_id=f"s{i}")
             while engine.has_unfinished_requests():
                 start = time.perf_counter()
                 outs = engine.step()
@@ -67,7 +63,7 @@ def run(engine: Engine, args: argparse.Namespace, seed: int) -> list[float]:
                 for out in outs:
                     if out.request_id == rid:
                         history += out.new_token_ids
-            history += [r.randrange(1000, 20000) for _ in range(args.turn_tokens)]
+            history += overflow.random_tokens(r, args.turn_tokens)
     return steps
 
 
@@ -84,21 +80,9 @@ def summary(steps: list[float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--turn-tokens", type=int, default=32)
-    parser.add_argument("--pool-tokens", type=int, default=512)
-    parser.add_argument("--chunk-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path)
+    overflow.add_arguments(parser, rounds=2, prompt_tokens=256, pool_tokens=512)
     args = parser.parse_args()
-    mc = LlamaConfig.from_model_dir(resolve_model_dir(None))
-    bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # bf16 K and V
-    engine = Engine(
-        EngineConfig(kv_cache_bytes=args.pool_tokens * bytes_per_token, num_threads=args.threads)
-    )
+    engine = overflow.small_pool_engine(args)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-spill-steps-"))
     results: dict[str, list[dict]] = {"off": [], "on": []}
     try:
@@ -123,26 +107,8 @@ def main() -> None:
     finally:
         engine.close()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(
-        f"\n{args.sessions} sessions x {args.rounds} rounds, {args.prompt_tokens}-token prompts "
-        f"(+{args.turn_tokens}/turn), pool {args.pool_tokens} tokens, bf16, {args.threads} torch "
-        f"thread(s), medians of {args.repeats}\n"
-    )
     keys = ["steps", "median_ms", "p90_ms", "max_ms", "sum_s", "spilled_chunks", "write_sum_s"]
-    print("| spills | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    medians = {}
-    for setup, rows in results.items():
-        medians[setup] = {k: statistics.median(row[k] for row in rows) for k in keys}
-        print(f"| {setup} | " + " | ".join(f"{medians[setup][k]:.3g}" for k in keys) + " |")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"args": vars(args) | {"out": str(args.out)}, "runs": results, "medians": medians},
-                indent=2,
-            )
-        )
+    overflow.report(args, "spills", results, keys, digits=3)
 
 
 if __name__ == "__main__":

@@ -21,22 +21,19 @@ spills, write-through), and the engine-thread time spent in the connector's evic
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+import overflow_sessions as overflow
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import TieredConnector, attach_connector
-from kvtier.engine import Engine, EngineConfig, SamplingParams
-from kvtier.engine.llama import LlamaConfig
-from kvtier.models import resolve_model_dir
+from kvtier.engine import Engine
 from kvtier.policy.config import PolicyConfig
 
 MIB = 1 << 20
-FEW = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 SETUPS = ("off", "on")
 
 
@@ -87,22 +84,20 @@ def run(engine: Engine, args: argparse.Namespace, seed: int, write_through: bool
     evictions = EvictionCount()
     engine.add_block_listener(evictions)
     r = random.Random(seed)
-    histories = [
-        [r.randrange(1000, 20000) for _ in range(args.prompt_tokens)] for _ in range(args.sessions)
-    ]
+    sessions = overflow.histories(r, args)
     waited: list[float] = []  # TTFT of the turns during which the pool evicted blocks
     try:
         for _ in range(args.rounds):
-            for i, history in enumerate(histories):
+            for i, history in enumerate(sessions):
                 before = evictions.evicted
-                rid = engine.add_request(history, FEW, session_id=f"s{i}")
+                rid = engine.add_request(history, overflow.FEW, session_id=f"s{i}")
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.request_id == rid:
                             history += out.new_token_ids
                         if out.finished and out.request_id == rid and evictions.evicted > before:
                             waited.append(out.metrics.ttft_s)
-                history += [r.randrange(1000, 20000) for _ in range(args.turn_tokens)]
+                history += overflow.random_tokens(r, args.turn_tokens)
         assert connector.flush(timeout=300)
     finally:
         engine.remove_block_listener(evictions)
@@ -122,21 +117,9 @@ def run(engine: Engine, args: argparse.Namespace, seed: int, write_through: bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=384)
-    parser.add_argument("--turn-tokens", type=int, default=32)
-    parser.add_argument("--pool-tokens", type=int, default=768)
-    parser.add_argument("--chunk-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path)
+    overflow.add_arguments(parser, rounds=3, prompt_tokens=384, pool_tokens=768)
     args = parser.parse_args()
-    mc = LlamaConfig.from_model_dir(resolve_model_dir(None))
-    bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # bf16 K and V
-    engine = Engine(
-        EngineConfig(kv_cache_bytes=args.pool_tokens * bytes_per_token, num_threads=args.threads)
-    )
+    engine = overflow.small_pool_engine(args)
     results: dict[str, list[dict]] = {setup: [] for setup in SETUPS}
     try:
         for repeat in range(args.repeats):
@@ -147,31 +130,12 @@ def main() -> None:
         attach_connector(engine, None)
     finally:
         engine.close()
-    print(
-        f"\n{args.sessions} sessions x {args.rounds} rounds, {args.prompt_tokens}-token prompts "
-        f"(+{args.turn_tokens}/turn), pool {args.pool_tokens} tokens, {args.chunk_tokens}-token "
-        f"chunks, bf16, {args.threads} torch thread(s), medians of {args.repeats}\n"
-    )
-    keys = list(results["off"][0])
-    print("| write-through | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    medians = {}
-    for setup, rows in results.items():
-        medians[setup] = {k: statistics.median(row[k] for row in rows) for k in keys}
-        print(f"| {setup} | " + " | ".join(f"{medians[setup][k]:.4g}" for k in keys) + " |")
+    medians = overflow.report(args, "write-through", results, list(results["off"][0]), digits=4)
     off, on = medians["off"], medians["on"]
     print(
         f"\nTTFT off/on {off['median_ttft_ms'] / on['median_ttft_ms']:.3f}x; "
         f"host bytes on/off {on['host_written_mb'] / max(off['host_written_mb'], 1e-9):.2f}x"
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"args": vars(args) | {"out": str(args.out)}, "runs": results, "medians": medians},
-                indent=2,
-            )
-        )
 
 
 if __name__ == "__main__":

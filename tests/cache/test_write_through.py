@@ -83,12 +83,18 @@ def test_finished_turn_is_in_host_while_its_blocks_stay_cached(engine, expected,
     assert_no_leak(engine)
 
 
-def test_eviction_of_written_through_blocks_copies_nothing(engine, expected):
+def written_through_session(engine):
+    """Session s1's first turn run with write-through, its copies landed: the turns, the
+    connector, the first answer and the session's chunks."""
     turns = aligned_turns()
     connector = attach(engine, write_through=True)
     first = first_turn(engine, turns)
     assert connector.flush(timeout=30)
-    chunks = session_chunks(connector)
+    return turns, connector, first, session_chunks(connector)
+
+
+def test_eviction_of_written_through_blocks_copies_nothing(engine, expected):
+    turns, connector, first, chunks = written_through_session(engine)
     engine.add_request(turns.flood, GREEDY, session_id="flood")  # needs 17 of 22 blocks
     drain(engine)
     assert connector.flush(timeout=30)
@@ -108,11 +114,7 @@ def test_eviction_of_written_through_blocks_copies_nothing(engine, expected):
 
 
 def test_policy_move_of_written_through_session_only_frees_blocks(engine, expected):
-    turns = aligned_turns()
-    connector = attach(engine, write_through=True)
-    first = first_turn(engine, turns)
-    assert connector.flush(timeout=30)
-    chunks = session_chunks(connector)
+    turns, connector, first, chunks = written_through_session(engine)
     connector.runner.execute(Move("s1", None, "host"))
     assert connector.flush(timeout=30)
     assert connector.runner.decisions["move"] == 1
