@@ -8,11 +8,12 @@ import pytest
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
+from kvtier.policy.actions import Move
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostProfile, TierLink
 from kvtier.tiers import Chunk
 
-from .scenario import assert_no_leak, make_turns, run_first_and_flood, run_second
+from .scenario import GREEDY, assert_no_leak, drain, make_turns, run_first_and_flood, run_second
 
 pytestmark = pytest.mark.slow
 
@@ -75,4 +76,32 @@ def test_bidirectional_plan_recomputes_the_front_and_loads_the_back(engine, expe
     assert sources["host"] > 0 and connector.counters["restored_blocks_after_recompute"] > 0
     assert sources["recomputed"] >= 16 + len(turns.extra)  # the front, then the new tokens
     assert sum(sources.values()) == len(turns.second(first))
+    assert_no_leak(engine)
+
+
+def test_blocks_still_on_the_device_after_a_hole_are_taken_not_recomputed(engine, expected):
+    """Chunk 0 dropped, chunk 1 moved to host, chunks 2-4 still cached on the device: the
+    prefill recomputes chunk 0, loads chunk 1, then takes the cached blocks as they are (the
+    prefix lookup alone stops at the first missing block)."""
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
+    connector = attach_connector(engine, tiers, "offload")
+    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
+    first = drain(engine)[rid]
+    chunks = session_chunks(connector)  # 9 full blocks of turn 1: chunks of 2, 2, 2, 2, 1
+    assert [len(chunk.keys) for chunk in chunks] == [2, 2, 2, 2, 1]
+    connector.drop_device_blocks(chunks[0].keys)
+    connector.runner.execute(Move("s1", 1, "host"))
+    assert connector.flush(timeout=30)
+    assert connector.store.locate(chunks[1].id).tier == "host"
+
+    second, out = run_second(engine, turns, first)
+
+    assert second == second_ref
+    sources = out.metrics.prompt_token_sources
+    new_tokens = len(turns.second(first)) - 9 * 16
+    assert (sources["device"], sources["host"]) == (5 * 16, 2 * 16)
+    assert sources["recomputed"] == 2 * 16 + new_tokens
+    assert connector.counters["reused_device_blocks_after_recompute"] == 5
     assert_no_leak(engine)

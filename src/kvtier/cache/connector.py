@@ -401,11 +401,22 @@ class TieredConnector:
         self.counters["restored_blocks_after_recompute"] += end - first
 
     def _restore_chunk(
-        self, request: Request, chunk: Chunk, first: int, end: int
+        self, request: Request, chunk: Chunk | None, first: int, end: int
     ) -> list[int] | None:
         """Blocks [first, end) of the request from `chunk`, loaded into fresh device blocks
-        registered in the prefix cache (held by the caller), or None when the load failed."""
+        registered in the prefix cache (held by the caller), or None when the load failed.
+        `chunk=None`: the blocks are cached on the device; they are taken as they are, or
+        None if the pool evicted one of them since."""
         pool = self.block_pool
+        if chunk is None:
+            keys = request.keys_of_full_blocks(self.block_size)[first:end]
+            ids = [pool.lookup(key) for key in keys]
+            if any(block is None for block in ids):
+                self.counters["device_blocks_evicted_before_reuse"] += 1
+                return None
+            pool.touch(ids)
+            self.counters["reused_device_blocks_after_recompute"] += len(ids)
+            return ids
         need = end - first
         if need <= 0 or need > pool.num_allocatable:
             return None
@@ -436,11 +447,12 @@ class TieredConnector:
 
     def _restore_loads(
         self, request: Request, start: int, for_prefetch: bool = False
-    ) -> list[tuple[Chunk, int, int]]:
+    ) -> list[tuple[Chunk | None, int, int]]:
         """The stored chunks after block `start` that the request will load, as (chunk, first
         block, end block), in prompt order; for a prefetch, in the plan's issue order (a
         bidirectional plan loads back to front: the chunks next to the recomputed front are
-        needed last).
+        needed last). Chunks still cached on the device after a run the prefill recomputes
+        come as (None, first, end), except for a prefetch: they are taken, not loaded.
 
         `restore="load"` loads every stored chunk; runs of blocks stored nowhere (holes) are
         recomputed and the loads after them go on. `restore="plan"` follows the restore
@@ -449,29 +461,48 @@ class TieredConnector:
         max_blocks = (request.num_tokens - 1) // self.block_size
         namespace = self.namespace_of(request)
         k = self.blocks_per_chunk
-        found: list[tuple[Chunk, int, int]] = []
-        runs: list[tuple[int, int, Chunk | None]] = []  # every run of blocks, for the planner
+        found: list[tuple[Chunk | None, int, int]] = []
+        runs: list[tuple[int, int, str | None]] = []  # every run of blocks and its tier
         pos = start
         while pos < max_blocks:
             grid_end = min((pos // k + 1) * k, max_blocks)
             chunk = self.find_stored_chunk(keys, pos // k, namespace, pos)
+            cached = 0 if chunk is not None else self._cached_run(keys[pos:grid_end])
+            if cached:
+                # cached on the device after a run the prefill recomputes (the prefix
+                # lookup stopped before it): taken as they are when the prefill gets there
+                runs.append((pos, pos + cached, "device"))
+                found.append((None, pos, pos + cached))
+                if pos + cached < grid_end:
+                    runs.append((pos + cached, grid_end, None))
+                pos = grid_end
+                continue
             end = grid_end if chunk is None else min((pos // k) * k + len(chunk.keys), grid_end)
-            runs.append((pos, end, chunk))
+            runs.append((pos, end, None if chunk is None else self.locate(chunk.id)))
             if chunk is not None:
                 found.append((chunk, pos, end))
                 if end < grid_end:
                     runs.append((end, grid_end, None))  # a short chunk: the rest is a hole
             pos = grid_end
-        if not found or self.config.restore != "plan":
+        if for_prefetch:
+            found = [entry for entry in found if entry[0] is not None]
+        if not any(chunk for chunk, _, _ in found) or self.config.restore != "plan":
             return found
         plan = self._plan(runs, count=not for_prefetch)
         chosen = {runs[i][0]: i for i in plan.loads}
-        loads = [entry for entry in found if entry[1] in chosen]
+        loads = [entry for entry in found if entry[0] is None or entry[1] in chosen]
         if for_prefetch:
             loads.sort(key=lambda entry: plan.loads.index(chosen[entry[1]]))
         return loads
 
-    def _plan(self, runs: list[tuple[int, int, Chunk | None]], count: bool) -> RestorePlan:
+    def _cached_run(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, name blocks cached on the device."""
+        count = 0
+        while count < len(keys) and self.block_pool.lookup(keys[count]) is not None:
+            count += 1
+        return count
+
+    def _plan(self, runs: list[tuple[int, int, str | None]], count: bool) -> RestorePlan:
         from kvtier.policy.restore import plan_restore
         from kvtier.policy.view import ChunkView
 
@@ -481,10 +512,10 @@ class TieredConnector:
                 index=i,
                 token_start=first * bs,
                 token_end=end * bs,
-                tier=None if chunk is None else self.locate(chunk.id),
+                tier=tier,
                 size_bytes=(end - first) * self.bytes_per_block,
             )
-            for i, (first, end, chunk) in enumerate(runs)
+            for i, (first, end, tier) in enumerate(runs)
         ]
         plan = plan_restore(views, self.runner.cost_model)
         if count:
