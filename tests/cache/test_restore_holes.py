@@ -105,3 +105,23 @@ def test_blocks_still_on_the_device_after_a_hole_are_taken_not_recomputed(engine
     assert sources["recomputed"] == 2 * 16 + new_tokens
     assert connector.counters["reused_device_blocks_after_recompute"] == 5
     assert_no_leak(engine)
+
+
+def test_with_nothing_stored_retain_takes_the_blocks_after_a_dropped_front(engine, expected):
+    """retain stores nothing; its pressure drops take a session's front chunk first. The rest
+    of the session, still on the device, is taken once the prefill has recomputed the front."""
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
+    connector = attach_connector(engine, tiers, "retain")
+    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
+    first = drain(engine)[rid]
+    connector.drop_device_blocks(session_chunks(connector)[0].keys)
+    assert len(connector.store) == 0
+
+    second, out = run_second(engine, turns, first)
+
+    assert second == second_ref
+    sources = out.metrics.prompt_token_sources
+    assert (sources["device"], sources["recomputed"]) == (7 * 16, len(turns.second(first)) - 7 * 16)
+    assert_no_leak(engine)

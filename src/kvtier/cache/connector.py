@@ -320,7 +320,7 @@ class TieredConnector:
         self._pending.pop(request.request_id, None)
         max_blocks = (request.num_tokens - 1) // self.block_size
         start = len(cached)
-        if start >= max_blocks or self.config.restore == "recompute" or not self._anything_stored():
+        if start >= max_blocks or self.config.restore == "recompute":
             return cached
         loads = self._restore_loads(request, start)
         leading = []  # the loads that continue the prefix without a gap
@@ -441,9 +441,6 @@ class TieredConnector:
         if loaded.form != FULL:
             self.counters[f"restored_blocks_{loaded.form}"] += need
         return ids
-
-    def _anything_stored(self) -> bool:
-        return bool(len(self.store)) or self.writes.staging
 
     def _restore_loads(
         self, request: Request, start: int, for_prefetch: bool = False
