@@ -79,16 +79,22 @@ def test_bidirectional_plan_recomputes_the_front_and_loads_the_back(engine, expe
     assert_no_leak(engine)
 
 
+def first_turn_in_32_token_chunks(engine, policy: str):
+    """Session s1's first turn with a host tier and 32-token chunks, its KV left on the
+    device: the turns, the connector, the first answer."""
+    turns = make_turns(0)
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
+    connector = attach_connector(engine, tiers, policy)
+    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
+    return turns, connector, drain(engine)[rid]
+
+
 def test_blocks_still_on_the_device_after_a_hole_are_taken_not_recomputed(engine, expected):
     """Chunk 0 dropped, chunk 1 moved to host, chunks 2-4 still cached on the device: the
     prefill recomputes chunk 0, loads chunk 1, then takes the cached blocks as they are (the
     prefix lookup alone stops at the first missing block)."""
-    turns = make_turns(0)
-    _first_ref, second_ref = expected
-    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
-    connector = attach_connector(engine, tiers, "offload")
-    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
-    first = drain(engine)[rid]
+    turns, connector, first = first_turn_in_32_token_chunks(engine, "offload")
+    second_ref = expected[1]
     chunks = session_chunks(connector)  # 9 full blocks of turn 1: chunks of 2, 2, 2, 2, 1
     assert [len(chunk.keys) for chunk in chunks] == [2, 2, 2, 2, 1]
     connector.drop_device_blocks(chunks[0].keys)
@@ -110,12 +116,8 @@ def test_blocks_still_on_the_device_after_a_hole_are_taken_not_recomputed(engine
 def test_with_nothing_stored_retain_takes_the_blocks_after_a_dropped_front(engine, expected):
     """retain stores nothing; its pressure drops take a session's front chunk first. The rest
     of the session, still on the device, is taken once the prefill has recomputed the front."""
-    turns = make_turns(0)
-    _first_ref, second_ref = expected
-    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=32)
-    connector = attach_connector(engine, tiers, "retain")
-    rid = engine.add_request(turns.first, GREEDY, session_id="s1")
-    first = drain(engine)[rid]
+    turns, connector, first = first_turn_in_32_token_chunks(engine, "retain")
+    second_ref = expected[1]
     connector.drop_device_blocks(session_chunks(connector)[0].keys)
     assert len(connector.store) == 0
 
