@@ -460,10 +460,12 @@ class TieredConnector:
         k = self.blocks_per_chunk
         found: list[tuple[Chunk | None, int, int]] = []
         runs: list[tuple[int, int, str | None]] = []  # every run of blocks and its tier
+        # an empty store is the common case under retain and recompute: no hashing then
+        stored = bool(len(self.store)) or self.writes.staging
         pos = start
         while pos < max_blocks:
             grid_end = min((pos // k + 1) * k, max_blocks)
-            chunk = self.find_stored_chunk(keys, pos // k, namespace, pos)
+            chunk = self.find_stored_chunk(keys, pos // k, namespace, pos) if stored else None
             cached = 0 if chunk is not None else self._cached_run(keys[pos:grid_end])
             if cached:
                 # cached on the device after a run the prefill recomputes (the prefix
