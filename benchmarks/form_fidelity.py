@@ -30,6 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvtier.bench.replay import common_prefix
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import attach_connector
 from kvtier.engine import Engine, EngineConfig, SamplingParams
@@ -61,15 +62,6 @@ def generate(engine: Engine, prompt: list[int], new: int) -> list[int]:
             if step.request_id == rid:
                 out.extend(step.new_token_ids)
     return out
-
-
-def agreeing_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def restored_run(
@@ -153,7 +145,7 @@ def main() -> None:
                     "scored_positions": len(ref_rows),
                     "logit_max_abs_diff": diff,
                     "argmax_agree": argmax,
-                    "greedy_agree": agreeing_prefix(run["tokens"], ref_tokens),
+                    "greedy_agree": common_prefix(run["tokens"], ref_tokens),
                 }
                 rows.append(row)
                 print(json.dumps(row))

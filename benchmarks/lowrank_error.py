@@ -19,36 +19,17 @@ from kvtier.compress.lowrank import (
     MomentAccumulator,
     calibration_text,
     calibration_tokens,
+    prompt_kv,
 )
-from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.llama import rope_tables
 
 SHARES_KEPT = (0.75, 0.5, 0.25, 0.125)
 
 
-class Collector:
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.blocks = engine, []
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        self.blocks.append(self.engine.kv_pool.read_block(block_id))
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
-
-    def on_block_evicted(self, block_id: int, key: bytes) -> None:
-        pass
-
-
 def kv_of(engine: Engine, text: str) -> torch.Tensor:
     """[layers, 2, kv_heads, tokens, head_dim] of the text at positions 0..4095."""
-    ids = calibration_tokens(engine.tokenizer, text, CALIBRATION_TOKENS)
-    collector = Collector(engine)
-    engine.reset_prefix_cache()
-    engine.add_block_listener(collector)
-    engine.generate([ids], SamplingParams(max_tokens=1))
-    engine.remove_block_listener(collector)
-    return torch.cat(collector.blocks, dim=3)
+    return prompt_kv(engine, calibration_tokens(engine.tokenizer, text, CALIBRATION_TOKENS))
 
 
 def unrotate_keys(kv: torch.Tensor, engine: Engine) -> torch.Tensor:

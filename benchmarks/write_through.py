@@ -31,23 +31,18 @@ import overflow_sessions as overflow
 from kvtier.cache import TiersConfig
 from kvtier.cache.connector import TieredConnector, attach_connector
 from kvtier.engine import Engine
+from kvtier.engine.hooks import BlockEventListener
 from kvtier.policy.config import PolicyConfig
 
 MIB = 1 << 20
 SETUPS = ("off", "on")
 
 
-class EvictionCount:
+class EvictionCount(BlockEventListener):
     """A block listener counting the pool's evictions."""
 
     def __init__(self) -> None:
         self.evicted = 0
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        pass
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
 
     def on_block_evicted(self, block_id: int, key: bytes) -> None:
         self.evicted += 1

@@ -15,6 +15,7 @@ from kvtier.compress.lowrank import (
     calibration_tokens,
     fit_basis,
     load_or_fit,
+    prompt_kv,
     save_basis,
 )
 from kvtier.compress.presses.lowrank import LowRankCodec, LowRankPress
@@ -26,36 +27,6 @@ from kvtier.models.resolve import resolve_model_dir
 from .conftest import prose_prompt
 
 CALIBRATION = 384  # tokens: enough for a well-posed PCA of 192 dimensions, quick to prefill
-
-
-class BlockCollector:
-    """Copies out every block the engine fills: the real KV of a prompt, in token order."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.blocks: list[torch.Tensor] = []
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        self.blocks.append(self.engine.kv_pool.read_block(block_id))
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
-
-    def on_block_evicted(self, block_id: int, key: bytes) -> None:
-        pass
-
-
-def prompt_kv(engine, token_ids: list[int]) -> torch.Tensor:
-    """[layers, 2, kv_heads, tokens, head_dim] of `token_ids` (whole blocks)."""
-    collector = BlockCollector(engine)
-    engine.reset_prefix_cache()
-    engine.add_block_listener(collector)
-    try:
-        engine.generate([token_ids], SamplingParams(max_tokens=1))
-    finally:
-        engine.remove_block_listener(collector)
-    engine.reset_prefix_cache()
-    return torch.cat(collector.blocks, dim=3)
 
 
 @pytest.fixture(scope="module")

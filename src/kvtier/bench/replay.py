@@ -202,7 +202,7 @@ def replay(
             record.prompt_tokens = len(flight.token_ids)
             # history = full blocks this session computed before (a partial tail block is
             # never cached, so it is plain prefill, not a miss)
-            common = _common_prefix(flight.token_ids, session_tokens.get(request.session_id, []))
+            common = common_prefix(flight.token_ids, session_tokens.get(request.session_id, []))
             flight.history_tokens = common // block_size * block_size
             max_tokens = request.output_tokens
             if max_output_tokens is not None:
@@ -328,7 +328,8 @@ def restored_tokens(out: RequestOutput, history_tokens: int) -> dict[str, int]:
     return result
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -47,6 +47,7 @@ import torch
 from kvtier.cache.forms import FULL, ChunkForms, Restored, lossiest
 from kvtier.cache.policy_runner import PolicyRunner
 from kvtier.cache.writes import BackgroundWrites
+from kvtier.engine.hooks import BlockEventListener
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, DiskTier, HostTier, Mover, Payload, RedisTier, Sealer, TieredStore
 from kvtier.tiers.base import TierBackend
@@ -74,7 +75,7 @@ class _ChunkOf(NamedTuple):
     swap: bool = False
 
 
-class TieredConnector:
+class TieredConnector(BlockEventListener):
     def __init__(self, engine: Engine) -> None:
         config = engine.config
         tiers_config = config.tiers
@@ -229,12 +230,6 @@ class TieredConnector:
         return Payload.of(staging)
 
     # ----- block events --------------------------------------------------------------------
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        pass
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
 
     def on_block_evicted(self, block_id: int, key: bytes) -> None:
         self._restored_from.pop(key, None)

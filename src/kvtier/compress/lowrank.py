@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -116,18 +117,12 @@ class LowRankBasis:
 
 
 class MomentAccumulator:
-    """Running sums of K/V (float64) per layer, K|V and group, block by block.
+    """Running sums of K/V (float64) per layer, K|V and group, block by block: fed each block
+    as the engine fills it, the calibration KV is never held in full (4K tokens of SmolLM2 in
+    float32 would be 190 MB)."""
 
-    Also a `BlockEventListener` when given the engine's `pool`: each block the engine fills
-    is read once, so the calibration KV is never held in full (4K tokens of SmolLM2 in
-    float32 would be 190 MB).
-    """
-
-    def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, grouping: str, pool: Any = None
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, grouping: str) -> None:
         check_grouping(grouping)
-        self.pool = pool
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         groups, width = (num_kv_heads, head_dim)
         if grouping == "layer":
@@ -143,15 +138,6 @@ class MomentAccumulator:
         self.count += x.shape[-2]
         self.total += x.sum(-2)
         self.gram += x.transpose(-1, -2) @ x
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        self.add(self.pool.read_block(block_id))
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
-
-    def on_block_evicted(self, block_id: int, key: bytes) -> None:
-        pass
 
     def basis(self) -> LowRankBasis:
         """PCA of what was seen: mean, and covariance eigenvectors by falling variance."""
@@ -221,12 +207,30 @@ def calibration_tokens(tokenizer: Any, text: str, num_tokens: int) -> list[int]:
     return (ids * math.ceil(num_tokens / len(ids)))[:num_tokens]
 
 
-def fit_basis(engine: Any, token_ids: list[int], grouping: str = "layer") -> LowRankBasis:
-    """Fit bases on the KV `engine` computes for `token_ids` (one prefill).
+class _BlockReader:
+    """A block listener handing the KV of every block the engine fills to `take`, in token
+    order. (Not a subclass of the engine's listener base: importing the engine here would
+    be circular.)"""
+
+    def __init__(self, pool: Any, take: Callable[[torch.Tensor], None]) -> None:
+        self.pool, self.take = pool, take
+
+    def on_block_filled(self, block_id: int, key: bytes) -> None:
+        self.take(self.pool.read_block(block_id))
+
+    def on_block_freed(self, block_id: int) -> None:
+        pass
+
+    def on_block_evicted(self, block_id: int, key: bytes) -> None:
+        pass
+
+
+def _prefill_with(engine: Any, token_ids: list[int], take: Callable[[torch.Tensor], None]) -> None:
+    """One prefill of `token_ids`, handing the KV of every block it fills to `take`.
 
     The engine must cache prefixes (full blocks are read as they are registered), run no
-    compression and be idle; its prefix cache is reset first so every block is computed.
-    """
+    compression and be idle; its prefix cache is reset first so every block is computed, and
+    after (the prefix is of no use to anyone)."""
     if not engine.config.enable_prefix_caching:
         raise KvtierError("lowrank calibration needs an engine with prefix caching on")
     if engine.config.compression is not None and not engine.config.compression.is_identity:
@@ -235,19 +239,32 @@ def fit_basis(engine: Any, token_ids: list[int], grouping: str = "layer") -> Low
         raise KvtierError("lowrank calibration needs an idle engine")
     from kvtier.engine import SamplingParams
 
-    pool = engine.kv_pool
-    moments = MomentAccumulator(
-        pool.num_layers, pool.num_kv_heads, pool.head_dim, grouping, pool=pool
-    )
+    reader = _BlockReader(engine.kv_pool, take)
     engine.reset_prefix_cache()
-    engine.add_block_listener(moments)
+    engine.add_block_listener(reader)
     try:
         [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=1))
     finally:
-        engine.remove_block_listener(moments)
+        engine.remove_block_listener(reader)
     if out.finish_reason == "error":
         raise KvtierError(f"lowrank calibration failed: {out.error}")
-    engine.reset_prefix_cache()  # the calibration prefix is of no use to anyone
+    engine.reset_prefix_cache()
+
+
+def prompt_kv(engine: Any, token_ids: list[int]) -> torch.Tensor:
+    """[layers, 2, kv_heads, tokens, head_dim] the engine computes for `token_ids`, whole
+    blocks only (for measuring how well a basis fits real KV)."""
+    blocks: list[torch.Tensor] = []
+    _prefill_with(engine, token_ids, blocks.append)
+    return torch.cat(blocks, dim=3)
+
+
+def fit_basis(engine: Any, token_ids: list[int], grouping: str = "layer") -> LowRankBasis:
+    """Fit bases on the KV `engine` computes for `token_ids` (one prefill, see `_prefill_with`
+    for what the engine must be)."""
+    pool = engine.kv_pool
+    moments = MomentAccumulator(pool.num_layers, pool.num_kv_heads, pool.head_dim, grouping)
+    _prefill_with(engine, token_ids, moments.add)
     return moments.basis()
 
 

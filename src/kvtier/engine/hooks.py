@@ -80,10 +80,15 @@ class BlockEventListener(Protocol):
       hit until it is evicted.
     - `on_block_evicted`: a cached block's memory is being reused; its key no longer hits.
       Called before the new owner writes, so a listener may still copy the payload out.
+
+    Every hook does nothing here: a listener subclasses this and overrides the ones it needs.
     """
 
-    def on_block_filled(self, block_id: int, key: bytes) -> None: ...
+    def on_block_filled(self, block_id: int, key: bytes) -> None:
+        return None
 
-    def on_block_freed(self, block_id: int) -> None: ...
+    def on_block_freed(self, block_id: int) -> None:
+        return None
 
-    def on_block_evicted(self, block_id: int, key: bytes) -> None: ...
+    def on_block_evicted(self, block_id: int, key: bytes) -> None:
+        return None
