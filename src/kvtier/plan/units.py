@@ -24,6 +24,9 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# Longest context accepted: 16.8M tokens, above every published model's window (Llama 4 Scout:
+# 10M); beyond it the figures are a typo's, and a model's own limit is flagged in the verdict.
+MAX_CONTEXT_TOKENS = 2**24
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -56,7 +59,7 @@ def parse_count(text: str) -> int:
 
 
 def parse_token_counts(text: str) -> list[int]:
-    """'8000,128000' -> [8000, 128000]; every entry must be a whole number of tokens above zero."""
+    """'8000,128000' -> [8000, 128000]; every entry a whole number in [1, MAX_CONTEXT_TOKENS]."""
     counts = []
     for item in text.split(","):
         item = item.strip()
@@ -66,10 +69,16 @@ def parse_token_counts(text: str) -> list[int]:
             raise KvtierError(
                 f"context length {item!r} is not a whole number of tokens (e.g. 8000,128000)"
             ) from None
-        if tokens <= 0:
-            raise KvtierError(f"context length {item} must be at least 1 token")
+        check_context(tokens)
         counts.append(tokens)
     return counts
+
+
+def check_context(tokens: int) -> None:
+    if not 1 <= tokens <= MAX_CONTEXT_TOKENS:
+        raise KvtierError(
+            f"context length {tokens:,} must be between 1 and {MAX_CONTEXT_TOKENS:,} tokens"
+        )
 
 
 def _three_figures(value: float) -> str:
