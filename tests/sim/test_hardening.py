@@ -147,3 +147,11 @@ def test_analyze_help_shows_trace_format_only(capsys):
         main(["analyze", "--help"])
     shown = capsys.readouterr().out
     assert "--trace-format" in shown and "--format" not in shown
+
+
+def test_calibrate_takes_the_servers_spelling_of_threads(capsys):
+    assert main(["calibrate", "--num-threads", "0"]) == 2  # read as --threads, checked first
+    assert capsys.readouterr().err == "kvtier: error: --threads must be at least 1, not 0\n"
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    assert "--num-threads" not in capsys.readouterr().out

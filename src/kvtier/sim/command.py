@@ -9,10 +9,8 @@ Examples:
   kvtier simulate --workload default --workload-set sessions=10000 --workload-set mean_turns=10
   kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 --hardware h100-sxm,l40s \\
       --device-kv-bytes 40GB --host-bytes 256GB
-  kvtier simulate --workload demo --hardware local-cpu --model smollm2-135m --gpus 1 \\
-      --device-kv-bytes 64MiB --host-bytes 1GiB --max-num-seqs 8 --max-num-batched-tokens 512 \\
-      --policies retain,recompute,offload,cost,oracle --timer-after-steps \\
-      --lengths-from out/bench/results.json --against out/bench/results.json  # validate
+  kvtier simulate --workload demo --hardware local-cpu --timer-after-steps --shared-prefixes \\
+      --validate --against out/bench/results.json  # set up like that bench run, compare
 """
 
 from __future__ import annotations
