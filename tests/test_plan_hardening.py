@@ -79,6 +79,9 @@ def test_a_bundled_model_assumes_nothing(capsys):
         (["--model", "llama-3.1-8b", "--context", "100000000000000000000"],
          "must be between 1 and 16,777,216 tokens"),
         (["--model", "llama-3.1-8b", "--context", "8000,16777217"], "16,777,217"),
+        (["--model", "llama-3.1-8b", "--tier-size", "1e400GB"], "size '1e400GB' is too large"),
+        (["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--params", "1e400"],
+         "count '1e400' is too large"),
     ],
 )  # fmt: skip
 def test_bad_geometry_flags_are_one_line_and_exit_2(capsys, args, message):

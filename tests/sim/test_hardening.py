@@ -89,6 +89,19 @@ def test_the_screen_says_what_is_simulated(tmp_path, capsys, bench_results):
     assert "overloaded" not in out and "failed" not in out.split("### Policies")[0]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--device-kv-bytes", "1e400GB", "size '1e400GB' is too large"),
+        ("--host-bytes", "1e400TB", "size '1e400TB' is too large"),
+        ("--model", "smollm3", "unknown model 'smollm3'"),
+    ],
+)
+def test_bad_sizes_and_models_are_one_line(tmp_path, capsys, flag, value, message):
+    code, _, err = simulate(capsys, flag, value, "--out", str(tmp_path), "--no-plots")
+    assert code == 2 and err.startswith(f"kvtier: error: {message}") and err.count("\n") == 1
+
+
 def burst_trace(path: Path) -> Path:
     """Twelve 4,096-token prompts one second apart, and one longer than SmolLM2's 8,192-token
     context: far more prefill than one CPU replica does in 11 s."""
