@@ -343,7 +343,7 @@ def test_cli_lists_hardware_presets(capsys):
     [
         (["--model", "no-such-model"], "seed-70b"),  # lists the bundled names
         (["--model", "seed-70b", "--context", "-5"], "-5"),
-        (["--model", "seed-70b", "--context", "0"], "at least 1"),
+        (["--model", "seed-70b", "--context", "0"], "between 1 and"),
         (["--model", "seed-70b", "--context", "abc"], "abc"),
         (["--model", "seed-70b", "--hardware", "tpu-v9"], "h100-sxm"),
         (["--model", "seed-70b", "--tier-size", "lots"], "lots"),

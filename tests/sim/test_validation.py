@@ -84,9 +84,7 @@ def test_validate_prints_and_writes_relative_errors_against_targets(tmp_path, ca
         SIM_CONFIG,
         {"offload": summary((108.0, 190.0, 520.0), 40.0, (960, 0), request_throughput=0.4)},
     )
-    against = tmp_path / "bench.json"
-    against.write_text(json.dumps(measured))
-    path = _validate(simulated, str(against), tmp_path)
+    path = _validate(simulated, measured, "bench.json", tmp_path)
     result = json.loads(path.read_text())
     rows = result["policies"]["offload"]
     assert rows["mean_ttft_ms"]["relative_error"] == pytest.approx(0.08)

@@ -3,7 +3,7 @@ growth, and the KV cache they imply, for a trace or a generated workload.
 
 Examples:
   kvtier analyze ../shared/traces/mooncake_conversation_trace.jsonl
-  kvtier analyze chats.json --format sharegpt --resume-after 60 --json out/chats.json
+  kvtier analyze chats.json --trace-format sharegpt --resume-after 60 --json out/chats.json
   kvtier analyze --generate default --seed 3 --model llama-3.1-8b --kv-dtype int8
   kvtier analyze trace.jsonl --decode-tok-s inf       # gaps from arrival to arrival
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
-from kvtier.workload.flags import PRESET_NAMES, TRACE_FORMATS
+from kvtier.workload.flags import PRESET_NAMES, TRACE_FORMATS, add_hidden_alias
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Workload
@@ -30,9 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 3)[3]
     parser.add_argument("trace", nargs="?", help="trace file (Mooncake, Qwen-Bailian, ShareGPT)")
-    parser.add_argument(
-        "--format", default="auto", metavar="FMT", help=f"trace format: {', '.join(TRACE_FORMATS)}"
+    trace_format = parser.add_argument(
+        "--trace-format",
+        default="auto",
+        metavar="FMT",
+        help=f"trace format: {', '.join(TRACE_FORMATS)}",
     )
+    add_hidden_alias(parser, trace_format, "--format")  # its spelling before bench's
     parser.add_argument(
         "--generate",
         metavar="PRESET",
@@ -122,7 +126,7 @@ def _load(args: argparse.Namespace) -> Workload:
     else:
         from kvtier.workload.traces import load_trace
 
-        workload = load_trace(args.trace, args.format, seed=args.seed)
+        workload = load_trace(args.trace, args.trace_format, seed=args.seed)
     if args.scale_to_context is not None:
         workload = scale_to_context(workload, args.scale_to_context)
     return workload

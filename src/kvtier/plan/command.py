@@ -4,6 +4,7 @@ Examples:
   kvtier plan --model seed-70b --context 8000,128000
   kvtier plan --model ./my-model/ --kv-dtype int4 --hardware h200 --tier-size 512GB --json
   kvtier plan --layers 80 --heads 64 --kv-heads 8 --hidden 8192 --params 70B --context 32000
+  kvtier plan --layers 32 --kv-heads 8 --head-dim 128 --params 8e9   # query heads assumed
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from kvtier.errors import KvtierError
 from kvtier.plan.config import FIELD_FLAGS
 from kvtier.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS
-from kvtier.plan.kv_dtypes import DEFAULT_GROUP_SIZE, KV_DTYPES
+from kvtier.plan.kv_dtypes import DEFAULT_GROUP_SIZE, KV_DTYPES, WEIGHT_DTYPES
 
 DEFAULT_CONTEXT = "8192"
 # flag destination -> config field it supplies
@@ -34,10 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "file or folder",
     )
     model.add_argument("--layers", type=int, help="number of layers (num_hidden_layers)")
-    model.add_argument("--heads", type=int, help="query heads (num_attention_heads)")
+    model.add_argument(
+        "--heads",
+        type=int,
+        help="query heads (default: hidden / head dim, else 4 per KV head; only FLOPs use them)",
+    )
     model.add_argument("--kv-heads", type=int, help="KV heads (default: --heads, i.e. MHA)")
     model.add_argument("--head-dim", type=int, help="head dimension (default: hidden / heads)")
-    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--hidden", type=int, help="hidden size (default: heads x head dim)")
     model.add_argument("--params", help="parameter count, e.g. 70B, 135M, 7.6e9")
 
     parser.add_argument(
@@ -56,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-dtype",
         default="bf16",
-        choices=[name for name in KV_DTYPES if name != "int2"],
+        choices=WEIGHT_DTYPES,
         help="weight format (default bf16)",
     )
     parser.add_argument(
@@ -108,12 +113,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, dest)
         if value is None:
             continue
-        if dest != "params" and value <= 0:
-            raise KvtierError(f"{FIELD_FLAGS[key]} must be at least 1, not {value}")
         overrides[key] = parse_count(value) if dest == "params" else value
     if args.model is None and not overrides:
         raise KvtierError(
-            "say which model: --model NAME|PATH, or --layers/--heads/--hidden/--params"
+            "say which model: --model NAME|PATH, or --layers --kv-heads --head-dim --params"
         )
     geometry = load_geometry(args.model, overrides)
     result = plan(

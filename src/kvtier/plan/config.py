@@ -9,6 +9,7 @@ active parameters per token).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,6 +28,18 @@ FIELD_FLAGS = {
     "num_parameters": "--params",
 }
 
+# Upper bounds of a config's counts: ten times the largest published models (126 layers, 128
+# heads, head_dim 256, hidden 18,432), to catch typos and values that would overflow, not to
+# judge designs. Other counts (vocab, MLP width, windows, positions) get MAX_COUNT.
+FIELD_LIMITS = {
+    "num_hidden_layers": 1_024,
+    "num_attention_heads": 1_024,
+    "num_key_value_heads": 1_024,
+    "head_dim": 4_096,
+    "hidden_size": 2**17,
+}
+MAX_COUNT = 2**30
+
 # extra names people use for a bundled model, after _normalize()
 _ALIASES = {
     "meta-llama-3.1-8b": "llama-3.1-8b",
@@ -34,6 +47,7 @@ _ALIASES = {
     "meta-llama-3.1-405b": "llama-3.1-405b",
     "mistral-7b-v0.3": "mistral-7b",
     "smollm2-135m-instruct": "smollm2-135m",
+    "smollm2": "smollm2-135m",  # the id `kvtier serve` serves the embedded model under
     "deepseek-v3-base": "deepseek-v3",
     "deepseek-v3-0324": "deepseek-v3",
 }
@@ -57,6 +71,25 @@ class ModelConfig:
             hint = f" (or pass {FIELD_FLAGS[key]})" if key in FIELD_FLAGS else ""
             raise KvtierError(f"missing required field {key!r} in {self.source}{hint}")
         return value
+
+    def count(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        """A whole number in [minimum, the field's limit]; required when `default` is None."""
+        value = self.require(key) if default is None else self.get(key, default)
+        return self._checked(key, value, minimum)
+
+    def optional_count(self, key: str, minimum: int = 1) -> int | None:
+        value = self.get(key)
+        return None if value is None else self._checked(key, value, minimum)
+
+    def _checked(self, key: str, value: Any, minimum: int) -> int:
+        name = f"{self.source}: {key!r}" + (f" ({FIELD_FLAGS[key]})" if key in FIELD_FLAGS else "")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value != int(value):
+            raise KvtierError(f"{name} must be a whole number, not {value!r}")
+        limit = FIELD_LIMITS.get(key, MAX_COUNT)
+        if not minimum <= value <= limit:
+            raise KvtierError(f"{name} must be between {minimum} and {limit:,}, not {value:,}")
+        return int(value)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> ModelConfig:
         if not overrides:

@@ -26,6 +26,8 @@ from kvtier.plan.params import count_parameters
 
 # model types whose configs leave the local:global layer pattern to the modelling code
 _DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+# query heads per KV head when only KV heads are given: Llama 3 8B's and Mistral 7B's (32 / 8)
+ASSUMED_GQA_GROUP = 4
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class ModelGeometry:
     qk_rope_head_dim: int = 0
     max_position_embeddings: int | None = None
     source: str = ""
+    assumed: tuple[str, ...] = ()  # what was not given and is assumed, for the report
 
     @property
     def attention(self) -> str:
@@ -102,23 +105,24 @@ class ModelGeometry:
             cfg = config
         else:
             cfg = ModelConfig(name, source, flatten(config))
-        layers = _positive_int(cfg, "num_hidden_layers")
-        heads = _positive_int(cfg, "num_attention_heads")
-        hidden = _positive_int(cfg, "hidden_size")
+        layers = cfg.count("num_hidden_layers")
+        assumed: list[str] = []
         if cfg.get("kv_lora_rank") is not None:  # MLA
-            kv_lora_rank = _positive_int(cfg, "kv_lora_rank")
-            rope = _positive_int(cfg, "qk_rope_head_dim")
-            nope = _positive_int(cfg, "qk_nope_head_dim")
-            head_dim, v_head_dim = nope + rope, _positive_int(cfg, "v_head_dim", nope)
+            heads, hidden = cfg.count("num_attention_heads"), cfg.count("hidden_size")
+            kv_heads = cfg.count("num_key_value_heads", heads)
+            kv_lora_rank = cfg.count("kv_lora_rank")
+            rope = cfg.count("qk_rope_head_dim")
+            nope = cfg.count("qk_nope_head_dim")
+            head_dim, v_head_dim = nope + rope, cfg.count("v_head_dim", nope)
         else:
             kv_lora_rank, rope, v_head_dim = None, 0, None
-            head_dim = _positive_int(cfg, "head_dim", hidden // heads)
+            heads, kv_heads, head_dim, hidden = _attention_shape(cfg, assumed)
         window, sliding = _sliding_layers(cfg, layers)
         shape = cls(
             name=cfg.name,
             num_layers=layers,
             num_attention_heads=heads,
-            num_kv_heads=_positive_int(cfg, "num_key_value_heads", heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             hidden_size=hidden,
             num_parameters=0,
@@ -128,8 +132,9 @@ class ModelGeometry:
             sliding_layers=sliding,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=rope,
-            max_position_embeddings=cfg.get("max_position_embeddings"),
+            max_position_embeddings=cfg.optional_count("max_position_embeddings"),
             source=cfg.source,
+            assumed=tuple(assumed),
         )
         total, active = count_parameters(cfg, shape)
         return replace(shape, num_parameters=total, num_active_parameters=active)
@@ -147,25 +152,53 @@ def load_geometry(
     return ModelGeometry.from_hf_config(config)
 
 
-def _positive_int(cfg: ModelConfig, key: str, default: int | None = None) -> int:
-    value = cfg.require(key) if default is None else cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise KvtierError(f"{cfg.source}: field {key!r} must be a whole number, not {value!r}")
-    if value <= 0:
-        raise KvtierError(f"{cfg.source}: field {key!r} must be at least 1, not {value!r}")
-    return int(value)
+def _attention_shape(cfg: ModelConfig, assumed: list[str]) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, head_dim, hidden size) of dense attention. KV bytes need only
+    KV heads and head_dim; the rest is derived where the usual identity `hidden = heads x
+    head_dim` allows, or assumed and said (`assumed`), so `--layers --kv-heads --head-dim
+    --params` is enough to plan."""
+    heads = cfg.optional_count("num_attention_heads")
+    kv_heads = cfg.optional_count("num_key_value_heads")
+    head_dim = cfg.optional_count("head_dim")
+    hidden = cfg.optional_count("hidden_size")
+    if head_dim is None and heads is not None and hidden is not None:
+        head_dim = cfg.count("head_dim", hidden // heads)
+    if head_dim is None or (heads is None and kv_heads is None):
+        raise KvtierError(
+            f"{cfg.source}: KV bytes need the KV heads and the head dimension: pass --kv-heads "
+            "and --head-dim (or --heads and --hidden)"
+        )
+    if heads is None and hidden is not None and hidden % head_dim == 0:
+        heads = cfg.count("num_attention_heads", hidden // head_dim)
+        assumed.append(f"{heads} query heads = hidden size / head_dim (pass --heads)")
+    if heads is None:
+        heads = kv_heads * ASSUMED_GQA_GROUP
+        assumed.append(
+            f"{heads} query heads ({ASSUMED_GQA_GROUP} per KV head, as Llama 3 8B and Mistral 7B; "
+            "they count only in attention FLOPs: pass --heads)"
+        )
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise KvtierError(
+            f"{cfg.source}: {kv_heads} KV heads must divide the {heads} query heads "
+            "(each KV head serves a whole group of query heads)"
+        )
+    if hidden is None:
+        hidden = cfg.count("hidden_size", heads * head_dim)
+        assumed.append(f"hidden size {hidden:,} = query heads x head_dim (pass --hidden)")
+    return heads, kv_heads, head_dim, hidden
 
 
 def _sliding_layers(cfg: ModelConfig, layers: int) -> tuple[int | None, tuple[bool, ...]]:
     """Which layers attend to a sliding window, following the modelling code's conventions."""
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
-    pattern = cfg.get("sliding_window_pattern", _DEFAULT_SLIDING_PATTERN.get(cfg.get("model_type")))
+    pattern = cfg.optional_count("sliding_window_pattern") or _DEFAULT_SLIDING_PATTERN.get(
+        cfg.get("model_type")
+    )
     if layer_types is not None:
-        if len(layer_types) != layers:
-            raise KvtierError(
-                f"{cfg.source}: layer_types has {len(layer_types)} entries for {layers} layers"
-            )
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise KvtierError(f"{cfg.source}: layer_types must list one entry per layer ({layers})")
         sliding = tuple(kind == "sliding_attention" for kind in layer_types)
     elif not window or cfg.get("use_sliding_window") is False:
         sliding = (False,) * layers
@@ -174,9 +207,10 @@ def _sliding_layers(cfg: ModelConfig, layers: int) -> tuple[int | None, tuple[bo
         sliding = tuple((i + 1) % pattern != 0 for i in range(layers))
     elif cfg.get("max_window_layers") is not None:
         # Qwen2 with use_sliding_window: layers from max_window_layers on slide
-        sliding = tuple(i >= cfg.get("max_window_layers") for i in range(layers))
+        first = cfg.count("max_window_layers", minimum=0)
+        sliding = tuple(i >= first for i in range(layers))
     else:
         sliding = (True,) * layers  # Mistral v0.1: every layer slides
     if not any(sliding):
         return None, sliding
-    return _positive_int(cfg, "sliding_window"), sliding
+    return cfg.count("sliding_window"), sliding

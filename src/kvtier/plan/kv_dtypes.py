@@ -53,6 +53,10 @@ KV_DTYPES: dict[str, KVDtype] = {
 }
 
 
+# formats weights are stored in: int2 weights are a research topic, not a serving choice
+WEIGHT_DTYPES = tuple(name for name in KV_DTYPES if name != "int2")
+
+
 def get_kv_dtype(name: str | KVDtype) -> KVDtype:
     if isinstance(name, KVDtype):
         return name

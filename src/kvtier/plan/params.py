@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
 
+MAX_PARAMETERS = 10**15  # a thousand times the largest published models: a typo, not a model
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")  # DeepSeek, Mixtral, Qwen
+
 if TYPE_CHECKING:
     from kvtier.plan.config import ModelConfig
     from kvtier.plan.geometry import ModelGeometry
@@ -42,19 +45,22 @@ def _stated(cfg: ModelConfig, key: str) -> int | None:
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise KvtierError(f"{cfg.source}: {key!r} must be a positive number, not {value!r}")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not 0 < value <= MAX_PARAMETERS:
+        raise KvtierError(
+            f"{cfg.source}: {key!r} must be a positive number up to {MAX_PARAMETERS:.0e}, "
+            f"not {value!r}"
+        )
     return int(value)
 
 
 def _need(cfg: ModelConfig, key: str) -> int:
-    value = cfg.get(key)
-    if value is None:
+    if cfg.get(key) is None:
         raise KvtierError(
             f"cannot count parameters without {key!r} (missing in {cfg.source}); "
             "pass --params or add num_parameters to the config"
         )
-    return int(value)
+    return cfg.count(key)
 
 
 def _attention(cfg: ModelConfig, g: ModelGeometry) -> int:
@@ -63,7 +69,7 @@ def _attention(cfg: ModelConfig, g: ModelGeometry) -> int:
         q_and_o = 2 * h * heads * g.head_dim
         return q_and_o + 2 * h * g.num_kv_heads * g.head_dim
     # MLA: low-rank query, joint compressed KV (+ shared RoPE key), per-head up-projection
-    q_rank = cfg.get("q_lora_rank")
+    q_rank = cfg.optional_count("q_lora_rank")
     q = q_rank * (h + 1 + heads * g.head_dim) if q_rank else h * heads * g.head_dim
     v_dim = g.v_head_dim or g.head_dim
     kv_down = h * (g.kv_lora_rank + g.qk_rope_head_dim) + g.kv_lora_rank
@@ -74,15 +80,21 @@ def _attention(cfg: ModelConfig, g: ModelGeometry) -> int:
 def _mlp(cfg: ModelConfig, g: ModelGeometry) -> tuple[int, int]:
     """(total, active) MLP parameters over all layers."""
     h, layers = g.hidden_size, g.num_layers
-    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts")
+    experts = next(
+        (cfg.count(key) for key in _EXPERT_KEYS if cfg.get(key)),
+        None,
+    )
     if not experts:
         dense = layers * 3 * h * _need(cfg, "intermediate_size")
         return dense, dense
-    expert = 3 * h * (cfg.get("moe_intermediate_size") or _need(cfg, "intermediate_size"))
-    shared = cfg.get("n_shared_experts", 0) * expert
-    shared += 3 * h * cfg.get("shared_expert_intermediate_size", 0)  # Qwen-MoE style
+    expert = (
+        3 * h * (cfg.optional_count("moe_intermediate_size") or _need(cfg, "intermediate_size"))
+    )
+    shared = cfg.count("n_shared_experts", 0, minimum=0) * expert
+    shared += 3 * h * cfg.count("shared_expert_intermediate_size", 0, minimum=0)  # Qwen-MoE style
     router = experts * h
-    first_dense, every = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+    first_dense = cfg.count("first_k_dense_replace", 0, minimum=0)
+    every = cfg.count("moe_layer_freq", 1)
     moe_layers = sum(1 for i in range(first_dense, layers) if i % every == 0)
     dense_layers = layers - moe_layers
     dense = dense_layers * 3 * h * _need(cfg, "intermediate_size") if dense_layers else 0

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from kvtier.errors import KvtierError
 from kvtier.plan.geometry import ModelGeometry
 from kvtier.plan.hardware import LINKS, Accelerator, Link, transfer_seconds
-from kvtier.plan.kv_dtypes import KVDtype
+from kvtier.plan.kv_dtypes import WEIGHT_DTYPES, KVDtype, get_kv_dtype
+from kvtier.plan.units import check_context
 
 WEIGHT_GROUP_SIZE = 128  # AWQ/GPTQ's usual group when weights are integer-quantized
 GPU_COUNTS = (1, 2, 4, 8)  # tensor-parallel sizes tried when the GPU count is left to us
@@ -73,6 +74,8 @@ class Plan:
     weight_bytes: int
     device_free_bytes: int  # device memory left for KV after the weights
     contexts: tuple[ContextPlan, ...]
+    # when the weights do not fit: the widest narrower weight format whose weights would
+    weight_dtype_that_fits: KVDtype | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -81,6 +84,18 @@ class Plan:
 
 def weight_bytes(geometry: ModelGeometry, dtype: KVDtype) -> int:
     return int(geometry.num_parameters * dtype.bytes_per_element(WEIGHT_GROUP_SIZE))
+
+
+def weight_dtype_that_fits(
+    geometry: ModelGeometry, dtype: KVDtype, device_bytes: int
+) -> KVDtype | None:
+    """The widest weight format narrower than `dtype` whose weights fit in `device_bytes`
+    (fp8 before int8 at the same width: no group scales)."""
+    narrower = sorted(
+        (get_kv_dtype(name) for name in WEIGHT_DTYPES if get_kv_dtype(name).bits < dtype.bits),
+        key=lambda d: -d.bits,
+    )
+    return next((d for d in narrower if weight_bytes(geometry, d) < device_bytes), None)
 
 
 def gpus_for_weights(nbytes: int, accelerator: Accelerator) -> int:
@@ -129,8 +144,10 @@ def plan(
     links: Sequence[Link] = LINKS,
 ) -> Plan:
     """Plan every context length; `gpus=None` picks the fewest GPUs that hold the weights."""
-    if not contexts or any(tokens <= 0 for tokens in contexts):
-        raise KvtierError("context lengths must be whole numbers of tokens, at least 1")
+    if not contexts:
+        raise KvtierError("give at least one context length")
+    for tokens in contexts:
+        check_context(tokens)
     if group_size <= 0:
         raise KvtierError(f"group size must be at least 1 element, not {group_size}")
     if not 0 < efficiency <= 1:
@@ -139,7 +156,8 @@ def plan(
         raise KvtierError(f"GPU count must be at least 1, not {gpus}")
     weights = weight_bytes(geometry, weight_dtype)
     gpus = gpus or gpus_for_weights(weights, accelerator)
-    device_free = max(0, gpus * accelerator.memory_bytes - weights)
+    device_bytes = gpus * accelerator.memory_bytes
+    device_free = max(0, device_bytes - weights)
 
     planned = []
     for tokens in contexts:
@@ -175,4 +193,9 @@ def plan(
         weight_bytes=weights,
         device_free_bytes=device_free,
         contexts=tuple(planned),
+        weight_dtype_that_fits=(
+            weight_dtype_that_fits(geometry, weight_dtype, device_bytes)
+            if not device_free
+            else None
+        ),
     )

@@ -5,9 +5,10 @@ JSON schema `kvtier.plan/1` (sizes in bytes, times in seconds, rates in bytes/s 
 
     schema, model {name, source, attention, num_layers, num_sliding_layers, sliding_window,
       num_attention_heads, num_kv_heads, head_dim, hidden_size, kv_lora_rank,
-      qk_rope_head_dim, num_parameters, num_active_parameters, max_position_embeddings},
+      qk_rope_head_dim, num_parameters, num_active_parameters, max_position_embeddings,
+      assumed [what was not given and is assumed]},
     kv_dtype, group_size, kv_bytes_per_element, bytes_per_token,
-    weight_dtype, weight_bytes,
+    weight_dtype, weight_bytes, weight_dtype_that_fits (null unless the weights do not fit),
     hardware {key, name, peak_flops, memory_bytes, memory_bandwidth},
     gpus, efficiency, device_bytes, device_free_bytes, tier_bytes (null without --tier-size),
     contexts [{tokens, kv_bytes, average_bytes_per_token, device_fit, tier_fit,
@@ -22,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.plan.planner import ContextPlan, Plan
+from kvtier.plan.planner import ContextPlan, Plan, weight_bytes
 from kvtier.plan.units import format_bytes, format_count, format_gib, format_seconds
 
 SCHEMA = "kvtier.plan/1"
@@ -51,6 +52,12 @@ def verdict(plan: Plan, ctx: ContextPlan) -> str:
             f"the {format_bytes(plan.weight_bytes)} of weights alone exceed {_machine(plan)} "
             f"({format_bytes(plan.device_bytes)})"
         )
+        smaller = plan.weight_dtype_that_fits
+        if smaller is not None:
+            fit += (
+                f", in {smaller.name} (--weight-dtype {smaller.name}) they take "
+                f"{format_bytes(weight_bytes(g, smaller))} and fit"
+            )
     else:
         verb = "fits" if ctx.device_fit == 1 else "fit"
         fit = (
@@ -97,6 +104,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "num_parameters": g.num_parameters,
             "num_active_parameters": g.num_active_parameters,
             "max_position_embeddings": g.max_position_embeddings,
+            "assumed": list(g.assumed),
         },
         "kv_dtype": plan.kv_dtype.name,
         "group_size": plan.group_size,
@@ -104,6 +112,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "bytes_per_token": plan.bytes_per_token,
         "weight_dtype": plan.weight_dtype.name,
         "weight_bytes": plan.weight_bytes,
+        "weight_dtype_that_fits": (
+            plan.weight_dtype_that_fits.name if plan.weight_dtype_that_fits else None
+        ),
         "hardware": {
             "key": hw.key,
             "name": hw.name,
@@ -206,6 +217,8 @@ def print_report(plan: Plan, console: Console | None = None) -> None:
     if plan.geometry.num_sliding_layers:
         per_token += " once the windows are full"
     console.print(_describe_model(plan), markup=False, soft_wrap=True)
+    for note in plan.geometry.assumed:
+        console.print(f"Assumed: {note}.", markup=False, soft_wrap=True)
     console.print(
         f"KV in {plan.kv_dtype.name} ({float(bpe):g} B/element): {per_token}. "
         f"Weights in {plan.weight_dtype.name}: {_both(plan.weight_bytes)} on {_machine(plan)} "

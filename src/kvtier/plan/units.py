@@ -6,6 +6,7 @@ Sizes print in decimal GB (what datasheets and disks use) next to binary GiB (wh
 
 from __future__ import annotations
 
+import math
 import re
 
 from kvtier.errors import KvtierError
@@ -24,39 +25,44 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+# Longest context accepted: 16.8M tokens, above every published model's window (Llama 4 Scout:
+# 10M); beyond it the figures are a typo's, and a model's own limit is flagged in the verdict.
+MAX_CONTEXT_TOKENS = 2**24
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """'512GB' -> 512e9 bytes, '64GiB' -> 64 * 2**30; a bare number is bytes."""
-    match = _NUMBER_UNIT.match(text)
-    unit = match.group(2).lower() if match else ""
-    if not match or (unit or "b") not in _SIZE_UNITS:
-        raise KvtierError(
-            f"cannot read size {text!r}: write a number and a unit, e.g. 512GB or 64GiB "
-            f"(units: {', '.join(u.upper().replace('I', 'i') for u in _SIZE_UNITS)})"
-        )
-    size = int(float(match.group(1)) * _SIZE_UNITS[unit or "b"])
-    if size <= 0:
-        raise KvtierError(f"size {text!r} must be more than zero")
-    return size
+    problem = (
+        f"cannot read size {text!r}: write a number and a unit, e.g. 512GB or 64GiB "
+        f"(units: {', '.join(u.upper().replace('I', 'i') for u in _SIZE_UNITS)})"
+    )
+    return _scaled(text, {"": 1, **_SIZE_UNITS}, problem, "size")
 
 
 def parse_count(text: str) -> int:
     """'70B' -> 70e9, '135M' -> 135e6, '7.6e9' -> 7.6e9 (parameter counts)."""
+    problem = f"cannot read count {text!r}: write e.g. 70B, 135M or 7.6e9"
+    return _scaled(text, _COUNT_SUFFIXES, problem, "count")
+
+
+def _scaled(text: str, units: dict[str, int], problem: str, what: str) -> int:
+    """A number with one of `units` as a whole number above zero, or `problem` as the error."""
     match = _NUMBER_UNIT.match(text)
-    suffix = match.group(2).lower() if match else ""
-    if not match or suffix not in _COUNT_SUFFIXES:
-        raise KvtierError(f"cannot read count {text!r}: write e.g. 70B, 135M or 7.6e9")
-    count = int(float(match.group(1)) * _COUNT_SUFFIXES[suffix])
-    if count <= 0:
-        raise KvtierError(f"count {text!r} must be more than zero")
-    return count
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in units:
+        raise KvtierError(problem)
+    value = float(match.group(1)) * units[unit]
+    if not math.isfinite(value):  # '1e400' overflows a float
+        raise KvtierError(f"{what} {text!r} is too large")
+    if int(value) <= 0:
+        raise KvtierError(f"{what} {text!r} must be more than zero")
+    return int(value)
 
 
 def parse_token_counts(text: str) -> list[int]:
-    """'8000,128000' -> [8000, 128000]; every entry must be a whole number of tokens above zero."""
+    """'8000,128000' -> [8000, 128000]; every entry a whole number in [1, MAX_CONTEXT_TOKENS]."""
     counts = []
     for item in text.split(","):
         item = item.strip()
@@ -66,10 +72,16 @@ def parse_token_counts(text: str) -> list[int]:
             raise KvtierError(
                 f"context length {item!r} is not a whole number of tokens (e.g. 8000,128000)"
             ) from None
-        if tokens <= 0:
-            raise KvtierError(f"context length {item} must be at least 1 token")
+        check_context(tokens)
         counts.append(tokens)
     return counts
+
+
+def check_context(tokens: int) -> None:
+    if not 1 <= tokens <= MAX_CONTEXT_TOKENS:
+        raise KvtierError(
+            f"context length {tokens:,} must be between 1 and {MAX_CONTEXT_TOKENS:,} tokens"
+        )
 
 
 def _three_figures(value: float) -> str:

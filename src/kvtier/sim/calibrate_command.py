@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvtier.errors import KvtierError
+from kvtier.workload.flags import add_hidden_alias
 
 DEFAULT_NAME = "local-cpu"
 
@@ -33,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer points and repeats (~1 min)")
     parser.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    threads = parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1)"
+    )
+    add_hidden_alias(parser, threads, "--num-threads")  # `kvtier serve`'s spelling
     parser.add_argument("--repeats", type=int, help="timed repeats per point (3 quick, 5 full)")
     parser.add_argument(
         "--prefill",

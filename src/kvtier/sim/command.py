@@ -9,10 +9,8 @@ Examples:
   kvtier simulate --workload default --workload-set sessions=10000 --workload-set mean_turns=10
   kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 --hardware h100-sxm,l40s \\
       --device-kv-bytes 40GB --host-bytes 256GB
-  kvtier simulate --workload demo --hardware local-cpu --model smollm2-135m --gpus 1 \\
-      --device-kv-bytes 64MiB --host-bytes 1GiB --max-num-seqs 8 --max-batched-tokens 512 \\
-      --policies retain,recompute,offload,cost,oracle --timer-after-steps \\
-      --lengths-from out/bench/results.json --against out/bench/results.json  # validate
+  kvtier simulate --workload demo --hardware local-cpu --timer-after-steps --shared-prefixes \\
+      --validate --against out/bench/results.json  # set up like that bench run, compare
 """
 
 from __future__ import annotations
@@ -20,19 +18,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.workload.flags import add_workload_arguments
+from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
     from kvtier.sim.deployment import Deployment
     from kvtier.workload.model import Request
 
-DEFAULT_POLICIES = "retain,recompute,offload,cost"
 DEFAULT_OUT = "out/simulate"
+# The flags that describe what is simulated, and their defaults. They parse to None when not
+# given: a validation (--against) takes them from the bench run instead (validation.setup_from).
+DEFAULTS: dict[str, Any] = {
+    "workload": "default",
+    "seed": 0,
+    "workload_set": [],
+    "policies": "retain,recompute,offload,cost",
+    "policy_set": [],
+    "hardware": "h100-sxm",
+    "gpus": 8,
+    "tp": 0,
+    "model": "llama-3.1-70b",
+    "device_kv_bytes": None,
+    "host_bytes": "1TB",
+    "disk_bytes": "0",
+    "chunk_tokens": 256,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "resume_after": 30.0,
+    "timer_after_steps": False,
+    "shared_prefixes": False,
+    "write_through": False,
+    "lengths_from": None,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,27 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "action", nargs="?", default="run", choices=("run", "sweep"), help="run (default) or sweep"
     )
-    add_workload_arguments(parser, default="default")
+    add_workload_arguments(parser, default=DEFAULTS["workload"])
     pol = parser.add_argument_group("policies")
     pol.add_argument(
         "--policies",
-        default=DEFAULT_POLICIES,
-        help=f"comma-separated, one run each; oracle knows the future ({DEFAULT_POLICIES})",
+        help=f"comma-separated, one run each; oracle knows the future ({DEFAULTS['policies']})",
     )
     pol.add_argument(
         "--policy-set",
         metavar="KEY=VALUE",
         action="append",
-        default=[],
         help="set a [policy] key for every run, e.g. interval_s=30 (repeatable)",
     )
     pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
-    hw = parser.add_argument_group("deployment (budgets are per replica)")
+    hw = parser.add_argument_group(
+        "deployment (budgets are per replica; with --against, what is not given is the bench run's)"
+    )
     hw.add_argument(
         "--hardware",
-        default="h100-sxm",
         metavar="NAME|PATH",
-        help="hardware profile, bundled name or file; sweep: comma-separated (default h100-sxm)",
+        help="hardware profile, bundled name or file; sweep: comma-separated "
+        f"(default {DEFAULTS['hardware']}; with --against: local-cpu)",
     )
     hw.add_argument(
         "--link",
@@ -70,36 +92,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="put a tier on another link, e.g. disk=nvme4 (pcie4/5, nvme4/5, 100gbe, 400gbe)",
     )
-    hw.add_argument("--gpus", type=int, default=8, help="GPUs in all (default 8)")
-    hw.add_argument("--tp", type=int, default=0, help="GPUs per replica (default: all)")
-    hw.add_argument("--model", default="llama-3.1-70b", help="bundled model or config.json")
+    hw.add_argument("--gpus", type=int, help=f"GPUs in all (default {DEFAULTS['gpus']})")
+    hw.add_argument("--tp", type=int, help="GPUs per replica (default: all)")
+    hw.add_argument("--model", help=f"bundled model or config.json (default {DEFAULTS['model']})")
     hw.add_argument(
         "--device-kv-bytes",
         metavar="SIZE",
         help="device KV pool (default: 90%% of GPU memory minus the weights)",
     )
-    hw.add_argument("--host-bytes", default="1TB", metavar="SIZE", help="host DRAM tier (1TB)")
-    hw.add_argument("--disk-bytes", default="0", metavar="SIZE", help="NVMe tier (0: none)")
+    hw.add_argument("--host-bytes", metavar="SIZE", help="host DRAM tier (1TB)")
+    hw.add_argument("--disk-bytes", metavar="SIZE", help="NVMe tier (0: none)")
     hw.add_argument("--remote-bytes", default="0", metavar="SIZE", help="remote tier (0: none)")
-    hw.add_argument("--chunk-tokens", type=int, default=256, help="tokens moved as one chunk")
-    hw.add_argument("--max-num-seqs", type=int, default=256, help="running requests (256)")
-    hw.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step (8192)")
-    hw.add_argument(
-        "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
-    )
+    hw.add_argument("--chunk-tokens", type=int, help="tokens moved as one chunk (256)")
+    hw.add_argument("--max-num-seqs", type=int, help="running requests (256)")
+    batched = hw.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
+    add_hidden_alias(hw, batched, "--max-batched-tokens")  # its spelling before vLLM's
+    hw.add_argument("--resume-after", type=float, help="gap (s) that makes a turn resumed (30)")
     hw.add_argument(
         "--timer-after-steps",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="run the policy timer only after engine steps, as kvtier's engine does (validation)",
     )
     hw.add_argument(
         "--write-through",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="copy each turn's full chunks to the top lower tier as it ends (tiers.write_through)",
     )
     hw.add_argument(
         "--shared-prefixes",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="let a new conversation reuse leading blocks other conversations computed, as the "
         "engine's prefix cache does (system prompts; validation)",
     )
@@ -113,20 +134,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--validate", action="store_true", help="compare with a real run (needs --against)"
     )
-    out.add_argument("--against", metavar="PATH", help="results.json of a `kvtier bench` run")
+    out.add_argument(
+        "--against",
+        metavar="PATH",
+        help="results.json of a `kvtier bench` run: compare with it, set up like it",
+    )
     out.add_argument(
         "--lengths-from",
         metavar="PATH",
-        help="replay the prompt/output lengths a bench run recorded (its results.json)",
+        help="replay the prompt/output lengths a bench run recorded (its results.json; "
+        "default with --against: that run's)",
     )
+    parser.set_defaults(**dict.fromkeys(DEFAULTS))  # None = not given (the group's too)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.validate and not args.against:
         raise KvtierError("--validate needs --against PATH (a kvtier bench results.json)")
+    measured = _settle(args)
     if args.action == "sweep":
         return _sweep(args)
     from kvtier.results.report import markdown, to_document, write_html, write_results
+    from kvtier.sim.console import load_of, run_note, run_warnings, setup_lines
     from kvtier.sim.simulator import simulate
 
     requests = _requests(args)
@@ -136,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
 
         histories = {rid: h for rid, (_, _, h) in measured_lengths(args.lengths_from).items()}
     deployment = _deployment(args, args.hardware)
-    runs = []
-    for name in _names(args.policies):
+    names = _names(args.policies)
+    print("\n".join(setup_lines(deployment, requests, names)))
+    runs, notes, warnings = [], {}, []
+    for name in names:
         result = simulate(requests, deployment, _policy_config(args, name), histories)
         runs.append(result.run)
         print(
@@ -146,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
             f" events/s; policy {result.policy_s:.1f} s), {result.run.duration_s:,.0f} s "
             "simulated"
         )
+        load = load_of(result.run, requests, deployment)
+        notes[name] = run_note(result.run, load)
+        warnings += run_warnings(result.run, load)
     config = {
         "workload": args.workload,
         "workload_set": args.workload_set,
@@ -154,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         "requests": len(requests),
         "policy_set": args.policy_set,
         **deployment.describe(),
+        "runs": notes,
     }
     document = to_document("simulate", config, runs)
     out = Path(args.out)
@@ -161,10 +196,44 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         written += write_html(out, document, runs)
     print(markdown(document))
-    if args.against:
-        written.append(_validate(document, args.against, out))
+    print("\n".join(warnings), end="\n" if warnings else "")
+    if measured is not None:
+        written.append(_validate(document, measured, args.against, out))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _settle(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Give every set-up flag left out its value: the bench run's with --against (said on one
+    line), else the default. Returns the bench results validated against, if any."""
+    measured, taken = None, {}
+    if args.against:
+        from kvtier.results.report import read_results
+        from kvtier.sim.validation import setup_from
+
+        measured = read_results(args.against)
+        taken = {
+            key: value
+            for key, value in setup_from(measured.get("config"), args.against).items()
+            if getattr(args, key) is None
+        }
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, taken.get(key, default))
+    if taken:
+        flags = " ".join(filter(None, (_flag(key, value) for key, value in taken.items())))
+        print(f"set up like {args.against}: {flags}")
+    return measured
+
+
+def _flag(key: str, value: Any) -> str:
+    """The command-line words that give `key` this value."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else flag.replace("--", "--no-", 1)
+    if isinstance(value, list):
+        return " ".join(f"{flag} {shlex.quote(str(item))}" for item in value)
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 def _names(text: str) -> list[str]:
@@ -229,7 +298,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         tier_bytes=sizes,
         chunk_tokens=args.chunk_tokens,
         max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
+        max_batched_tokens=args.max_num_batched_tokens,
         resume_after_s=args.resume_after,
         timer_after_steps=args.timer_after_steps,
         write_through=args.write_through,
@@ -271,12 +340,10 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(document: dict[str, Any], against: str, out: Path) -> Path:
+def _validate(document: dict[str, Any], measured: dict[str, Any], against: str, out: Path) -> Path:
     from kvtier.results.compare import compare
-    from kvtier.results.report import read_results
     from kvtier.sim.validation import judge, report_lines, setup_mismatches
 
-    measured = read_results(against)
     for problem in setup_mismatches(document["config"], measured.get("config") or {}):
         print(f"warning: not set up like {against}: {problem}")
     result = judge(compare(document, measured))

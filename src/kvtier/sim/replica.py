@@ -287,10 +287,16 @@ class Replica:
         context = r.prompt + r.output
         limit = self.deployment.geometry.max_position_embeddings
         if limit and context > limit:
-            return f"prompt + output = {context:,} tokens exceeds the model's context of {limit:,}"
+            return (
+                f"too long for the model: prompt + output = {context:,} tokens exceeds the "
+                f"model's context of {limit:,}"
+            )
         r.reserve = self.deployment.kv_bytes(context)
         if r.reserve > self.capacity:
-            return f"{context:,} tokens of KV ({r.reserve:,} B) exceed the device pool"
+            return (
+                f"too large for the device pool: {context:,} tokens of KV ({r.reserve:,} B) "
+                f"exceed the {self.capacity:,} B pool"
+            )
         return None
 
     def _valid_tokens(self, session: SimSession, request: Request) -> int:

@@ -133,6 +133,67 @@ def setup_mismatches(simulated: Mapping[str, Any], measured: Mapping[str, Any]) 
     return problems
 
 
+def setup_from(measured: Any, results: str | Path) -> dict[str, Any]:
+    """The `kvtier simulate` settings (argparse dests) of the `kvtier bench` run whose results
+    `config` this is: one engine on this machine (`local-cpu`), its model, pool, tiers,
+    scheduler knobs, workload and policies, its engine's prefix cache and after-step policy
+    timer, and its recorded lengths (`results`' request files) when they are there. Values of
+    the wrong type are left out, for the set-up check to name."""
+    if not isinstance(measured, Mapping) or not isinstance(measured.get("engine"), Mapping):
+        return {}
+    engine = measured["engine"]
+    tiers = engine.get("tiers") if isinstance(engine.get("tiers"), Mapping) else {}
+    workload = measured.get("workload") if isinstance(measured.get("workload"), Mapping) else {}
+    policies = measured.get("policies")
+    setup = {
+        "hardware": "local-cpu",
+        "gpus": 1,
+        "tp": 1,
+        "model": engine.get("model_dir") or SMOLLM2,
+        "device_kv_bytes": _whole(engine.get("kv_cache_bytes")),
+        "host_bytes": _whole(measured.get("host_bytes")),
+        "disk_bytes": _whole(measured.get("disk_bytes")),
+        "chunk_tokens": tiers.get("chunk_tokens", 256),
+        "max_num_seqs": engine.get("max_num_seqs"),
+        "max_num_batched_tokens": engine.get("max_num_batched_tokens"),
+        "resume_after": engine.get("session_resume_after_s"),
+        "write_through": tiers.get("write_through", False),
+        "timer_after_steps": True,
+        "shared_prefixes": True,
+        "workload": workload.get("name"),
+        "seed": workload.get("seed"),
+        "workload_set": workload.get("workload_set"),
+        "policy_set": measured.get("policy_set"),
+        "policies": ",".join(policies) if policies and _strings(policies) else None,
+        "lengths_from": str(results)
+        if any(Path(results).parent.glob("requests-*.jsonl"))
+        else None,
+    }
+    kinds = {
+        "model": str, "chunk_tokens": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+        "resume_after": int | float, "write_through": bool, "workload": str, "seed": int,
+    }  # fmt: skip
+    for key, kind in kinds.items():
+        value = setup[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            setup[key] = None
+    for key in ("workload_set", "policy_set"):
+        if not _strings(setup[key]):
+            setup[key] = None
+    return {key: value for key, value in setup.items() if value is not None}
+
+
+def _whole(value: Any) -> str | None:
+    """A byte count as the SIZE text the flags take."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    return None
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 def measured_lengths(results: str | Path) -> dict[str, tuple[int, int, int]]:
     """Request id -> (prompt, output, history) tokens as a `kvtier bench` run recorded them
     (its requests-<policy>.jsonl files next to results.json; the first policy's record of a

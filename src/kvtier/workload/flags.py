@@ -1,4 +1,5 @@
-"""The `--workload` flags of `bench`, `simulate` and `analyze`, without importing anything heavy:
+"""The `--workload` flags of `bench`, `simulate` and `analyze`, and hidden aliases for flags
+spelt two ways, without importing anything heavy:
 `kvtier --help` builds every sub-command's parser, and the generator's presets and trace
 readers pull in numpy and pydantic (0.08 s -> 0.27 s of start-up, measured). The names are
 therefore written out here; a test checks they match `workload.presets` and `workload.traces`.
@@ -24,7 +25,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> Any
         metavar="PRESET|PATH",
         help=f"generator preset ({', '.join(PRESET_NAMES)}) or trace file (default: {default})",
     )
-    group.add_argument("--trace-format", default="auto", help=f"one of {', '.join(TRACE_FORMATS)}")
+    trace_format = group.add_argument(
+        "--trace-format", default="auto", help=f"one of {', '.join(TRACE_FORMATS)}"
+    )
+    add_hidden_alias(group, trace_format, "--format")  # analyze's spelling
     group.add_argument(
         "--workload-set",
         metavar="KEY=VALUE",
@@ -34,3 +38,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> Any
     )
     group.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     return group
+
+
+def add_hidden_alias(parser: Any, action: argparse.Action, *aliases: str) -> None:
+    """Accept `aliases` for the value flag `action` without showing them in --help, so every
+    command documents one spelling (vLLM's where vLLM has the flag) and the others still work.
+    The alias sets nothing unless given, so `action`'s default stands."""
+    parser.add_argument(
+        *aliases,
+        dest=action.dest,
+        type=action.type,
+        choices=action.choices,
+        metavar=action.metavar,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

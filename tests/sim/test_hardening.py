@@ -1,0 +1,170 @@
+"""Issue #18, `kvtier simulate`: the README's validation command works as written (the set-up
+comes from the bench run), the screen says what is simulated, when the replicas cannot keep up
+and why requests failed, and flags have one spelling in --help with the old ones still taken.
+
+`data/bench-demo-2-sessions` is a real `kvtier bench` run (its `command` is in results.json)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+
+BENCH_RUN = Path(__file__).parent / "data" / "bench-demo-2-sessions"
+README_VALIDATE = (
+    "--workload demo --hardware local-cpu --timer-after-steps --shared-prefixes "
+    "--validate --against {against}"
+)
+
+
+def simulate(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["simulate", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def bench_results(tmp_path) -> Path:
+    """The bench run copied where a test may write next to it."""
+    folder = shutil.copytree(BENCH_RUN, tmp_path / "bench")
+    return folder / "results.json"
+
+
+def readme_validation(tmp_path, bench_results: Path, *extra: str) -> list[str]:
+    argv = shlex.split(README_VALIDATE.format(against=bench_results))
+    return [*argv, *extra, "--out", str(tmp_path / "sim"), "--no-plots"]
+
+
+def test_the_readme_validation_takes_the_set_up_from_the_bench_run(tmp_path, capsys, bench_results):
+    code, out, err = simulate(capsys, *readme_validation(tmp_path, bench_results))
+    assert code == 0, err
+    taken = next(line for line in out.splitlines() if line.startswith("set up like"))
+    for flag in ("--model smollm2-135m", "--gpus 1", "--device-kv-bytes 67108864",
+                 "--max-num-batched-tokens 512", "--max-num-seqs 8", "--policies offload",
+                 "--workload-set sessions=2", f"--lengths-from {bench_results}"):  # fmt: skip
+        assert flag in taken
+    assert "--hardware" not in taken and "--workload " not in taken  # given: kept
+    assert "warning: not set up like" not in out  # nothing differs from the bench run
+    assert "offload: simulated vs measured" in out
+    config = json.loads((tmp_path / "sim" / "results.json").read_text())["config"]
+    assert (config["model"], config["hardware"], config["gpus"]) == ("smollm2-135m", "local-cpu", 1)
+    assert config["device_kv_bytes"] == 64 * 2**20 and config["tier_bytes"] == {"host": 2**30}
+    assert config["max_batched_tokens"] == 512 and config["workload_set"] == ["sessions=2"]
+    assert (tmp_path / "sim" / "validation.json").is_file()
+
+
+def test_a_flag_given_beats_the_bench_run_and_is_named_as_a_difference(
+    tmp_path, capsys, bench_results
+):
+    argv = readme_validation(tmp_path, bench_results, "--max-num-batched-tokens", "256")
+    code, out, _ = simulate(capsys, *argv)
+    assert code == 0
+    assert "--max-num-batched-tokens" not in out.splitlines()[0]  # not taken from the run
+    assert (
+        "warning: not set up like" in out and "tokens per step: simulated 256, measured 512" in out
+    )
+
+
+def test_a_missing_bench_run_is_one_line_before_anything_is_simulated(tmp_path, capsys):
+    argv = readme_validation(tmp_path, tmp_path / "nothing" / "results.json")
+    code, out, err = simulate(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err == f"kvtier: error: results file {tmp_path}/nothing/results.json does not exist\n"
+
+
+def test_the_screen_says_what_is_simulated(tmp_path, capsys, bench_results):
+    _, out, _ = simulate(capsys, *readme_validation(tmp_path, bench_results))
+    setup = out[out.index("simulating") :]
+    assert setup.startswith("simulating smollm2-135m (23.0 KB of bf16 KV per token) on 1 x ")
+    assert "local-cpu, 1 replica of tensor parallel 1" in setup
+    assert "device KV pool 67.1 MB" in setup and "host 1.07 GB, disk none, remote none" in setup
+    assert "8 running requests, 512 tokens per step, chunks of 256 tokens" in setup
+    assert "policy timer: after steps; shared prefixes: on" in setup
+    assert "5 requests in 2 conversations" in setup and "policies: offload" in setup
+    assert "overloaded" not in out and "failed" not in out.split("### Policies")[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--device-kv-bytes", "1e400GB", "size '1e400GB' is too large"),
+        ("--host-bytes", "1e400TB", "size '1e400TB' is too large"),
+        ("--model", "smollm3", "unknown model 'smollm3'"),
+    ],
+)
+def test_bad_sizes_and_models_are_one_line(tmp_path, capsys, flag, value, message):
+    code, _, err = simulate(capsys, flag, value, "--out", str(tmp_path), "--no-plots")
+    assert code == 2 and err.startswith(f"kvtier: error: {message}") and err.count("\n") == 1
+
+
+def burst_trace(path: Path) -> Path:
+    """Twelve 4,096-token prompts one second apart, and one longer than SmolLM2's 8,192-token
+    context: far more prefill than one CPU replica does in 11 s."""
+    lines, block = [], 0
+    for k, tokens in [(k, 4096) for k in range(12)] + [(5.5, 9000)]:
+        ids = list(range(block, block + -(-tokens // 512)))
+        block += len(ids)
+        lines.append({"timestamp": k * 1000, "input_length": tokens, "output_length": 16,
+                      "hash_ids": ids})  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_an_overloaded_replica_and_failed_requests_are_said_on_screen_and_kept(tmp_path, capsys):
+    trace = burst_trace(tmp_path / "burst.jsonl")
+    out_dir = tmp_path / "sim"
+    code, out, _ = simulate(
+        capsys, "--workload", str(trace), "--hardware", "local-cpu", "--model", "smollm2",
+        "--gpus", "1", "--policies", "recompute", "--out", str(out_dir), "--no-plots",
+    )  # fmt: skip
+    assert code == 0
+    warnings = [line for line in out.splitlines() if line.startswith("warning: recompute:")]
+    overload, failure = warnings
+    assert "overloaded: requests arrived over 11 s and took" in overload
+    assert "prompt tokens/s per replica; a replica prefills about" in overload
+    assert failure.startswith("warning: recompute: 1 of 13 requests failed, too long for the model")
+    assert "9,016 tokens exceeds the model's context of 8,192" in failure
+    note = json.loads((out_dir / "results.json").read_text())["config"]["runs"]["recompute"]
+    assert note["overloaded"] and note["overload_ratio"] > 3 and note["trace_span_s"] == 11.0
+    assert note["offered_prompt_tokens_s"] > note["prefill_capacity_tokens_s"]
+    assert note["failed_by_reason"] == {"too long for the model": 1}
+
+
+def test_help_shows_one_spelling_and_the_old_ones_still_work(tmp_path, capsys, bench_results):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    assert "--max-num-batched-tokens" in (shown := capsys.readouterr().out)
+    assert "--max-batched-tokens" not in shown and "--format" not in shown
+    argv = readme_validation(tmp_path, bench_results, "--max-batched-tokens", "256")
+    code, _, _ = simulate(capsys, *argv, "--format", "auto")
+    config = json.loads((tmp_path / "sim" / "results.json").read_text())["config"]
+    assert code == 0 and config["max_batched_tokens"] == 256
+
+
+@pytest.mark.parametrize("flag", ["--trace-format", "--format"])
+def test_analyze_takes_trace_format_and_its_old_spelling(tmp_path, capsys, flag):
+    trace = burst_trace(tmp_path / "burst.jsonl")
+    assert main(["analyze", str(trace), flag, "mooncake", "--no-plots"]) == 0
+    assert "13 / 13" in capsys.readouterr().out  # requests / sessions
+    assert main(["analyze", str(trace), flag, "sharegpt", "--no-plots"]) == 2  # the format named
+    assert "missing field 'id'" in capsys.readouterr().err
+
+
+def test_analyze_help_shows_trace_format_only(capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    shown = capsys.readouterr().out
+    assert "--trace-format" in shown and "--format" not in shown
+
+
+def test_calibrate_takes_the_servers_spelling_of_threads(capsys):
+    assert main(["calibrate", "--num-threads", "0"]) == 2  # read as --threads, checked first
+    assert capsys.readouterr().err == "kvtier: error: --threads must be at least 1, not 0\n"
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    assert "--num-threads" not in capsys.readouterr().out
