@@ -107,7 +107,8 @@ class RedisTier(TierBackend):
         self._client: redis.Redis | RedisCluster | None = None
         self._held: OrderedDict[tuple[str, bytes], _Held] = OrderedDict()
         self._used = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the held-keys count
+        self._link = threading.Lock()  # the client and the outage state below
         self._down_until = 0.0
         self._failures = 0
         self._resync = True  # the held-keys count is rebuilt from the server at first contact
@@ -204,9 +205,10 @@ class RedisTier(TierBackend):
             ]
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        with self._link:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     # -- batches -------------------------------------------------------------------------
 
@@ -328,23 +330,40 @@ class RedisTier(TierBackend):
 
     def _call(self, op: Callable[[Any], T]) -> T:
         """Run `op(client)` within the timeout; any failure becomes a TierError."""
-        if time.monotonic() < self._down_until:
-            raise TierError("remote tier is down; waiting out the backoff")
+        client = self._connection()
         try:
-            if self._client is None:
-                self._client = self._connect()
-            if self._resync:
-                self._rebuild(self._client)
-            result = op(self._client)
+            return op(client)
         except ResponseError as exc:  # the server answered: it is up, the command failed
             raise TierError(f"redis refused: {exc}") from exc
         except (RedisError, RedisClusterException, OSError) as exc:
-            self._mark_down(exc)
+            self._mark_down(client, exc)
             raise TierError(f"redis unreachable: {exc}") from exc
-        if self._failures:
-            log.warning("%s: redis at %s is back", self.name, self.url)
-            self._failures = 0
-        return result
+
+    def _connection(self) -> Any:
+        """The current client, connected and recounted; TierError while the server is down.
+
+        Under `_link`, so that of the threads arriving after an outage one reconnects and
+        recounts and the others wait for it (then use its client, or fail fast in its backoff).
+        """
+        with self._link:
+            if time.monotonic() < self._down_until:
+                raise TierError("remote tier is down; waiting out the backoff")
+            client = self._client
+            if client is None:
+                client = self._client = self._connect()
+            if self._resync:
+                try:
+                    self._rebuild(client)
+                except ResponseError as exc:
+                    raise TierError(f"redis refused: {exc}") from exc
+                except (RedisError, RedisClusterException, OSError) as exc:
+                    self._mark_down_locked(client, exc)
+                    raise TierError(f"redis unreachable: {exc}") from exc
+                if self._failures:
+                    # A recount went through: the server answers again.
+                    log.info("%s: redis at %s is back", self.name, self.url)
+                    self._failures = 0
+            return client
 
     def _connect(self) -> redis.Redis | RedisCluster:
         options: dict[str, Any] = {
@@ -360,19 +379,29 @@ class RedisTier(TierBackend):
             return RedisCluster.from_url(self.url, **options)
         return redis.Redis.from_url(self.url, **options)
 
-    def _mark_down(self, exc: BaseException) -> None:
+    def _mark_down(self, client: Any, exc: BaseException) -> None:
+        with self._link:
+            self._mark_down_locked(client, exc)
+
+    def _mark_down_locked(self, client: Any, exc: BaseException) -> None:
+        if client is not self._client:
+            # A call on a client already replaced: its outage is counted (and logged) once,
+            # by whichever call failed first; a failure on an old client says nothing of a
+            # new one.
+            return
         self._failures += 1
         first, cap = self.retry_after_s
         delay = min(cap, first * 2 ** (self._failures - 1))
         self._down_until = time.monotonic() + delay
         if self._failures == 1:
             log.warning("%s: redis at %s unreachable (%s); backing off", self.name, self.url, exc)
-        # Drop the connections (a restarted server makes them stale) and recount the keys at
-        # the next contact: the server may have lost or kept anything meanwhile.
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                client.close()
+        # A fresh client (and connection pool) at the next contact: a restarted server makes
+        # the old connections stale. The old client is dropped, not closed: other threads may
+        # still be reading from its sockets (closing them under a reader raised "I/O operation
+        # on closed file"); their calls fail or finish on their own, and the pool's connections
+        # are closed when it is garbage-collected. The keys are recounted at the next contact:
+        # the server may have lost or kept anything meanwhile.
+        self._client = None
         self._resync = True
 
     def _rebuild(self, client: Any) -> None:
