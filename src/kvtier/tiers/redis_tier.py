@@ -37,8 +37,8 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from kvtier.tiers.base import TierBackend, TierEntry, TierError
-from kvtier.tiers.crypto import Sealer
+from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierBackend, TierEntry, TierError
+from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
 from kvtier.tiers.record import RecordCodec, deliver, parse_head
 
@@ -90,9 +90,16 @@ class RedisTier(TierBackend):
         hash_tag: bool = False,
         on_full: Literal["evict", "refuse"] = "evict",
         sealer: Sealer | None = None,
+        signer: Signer | None = None,
         retry_after_s: tuple[float, float] = (0.1, 5.0),
         name: str = "remote",
     ) -> None:
+        """
+        sealer, signer: encrypt and authenticate every value (AES-GCM), or only authenticate
+            it (GMAC); at most one. With neither, a value is only checksummed, and whoever can
+            write to the server can make this tier serve bytes of their choosing: logged as a
+            warning (see "Threat model" in docs/tiers.md).
+        """
         super().__init__(name)
         self.url = url
         self._capacity = capacity_bytes
@@ -103,7 +110,14 @@ class RedisTier(TierBackend):
         self.hash_tag = hash_tag
         self.on_full = on_full
         self.retry_after_s = retry_after_s
-        self._codec = RecordCodec(sealer)
+        self._codec = RecordCodec(sealer, signer)
+        if sealer is None and signer is None:
+            log.warning(
+                "%s: values in redis at %s are neither signed nor sealed: whoever can write "
+                "there can make this tier serve forged KV; give it a master key to sign them",
+                name,
+                url,
+            )
         self._client: redis.Redis | RedisCluster | None = None
         self._held: OrderedDict[tuple[str, bytes], _Held] = OrderedDict()
         self._used = 0
@@ -286,27 +300,30 @@ class RedisTier(TierBackend):
 
         replies = self._call(read)
         results: list[Payload | BaseException | None] = []
-        bad: list[bytes] = []
+        corrupt: list[bytes] = []
         for key, out, reply in zip(keys, outs, replies, strict=True):
             try:
                 results.append(self._decode(key, namespace, out, reply))
             except TierError as exc:
                 results.append(exc)
-                bad.append(key)
+                if isinstance(exc, CorruptRecord):
+                    corrupt.append(key)
         with self._lock:
             for key, result in zip(keys, results, strict=True):
                 if isinstance(result, Payload) and (namespace, key) in self._held:
                     self._held.move_to_end((namespace, key))
                     self._held[(namespace, key)].expires_at = self._expiry()
-                elif result is None or key in bad:
-                    # Gone (expired, evicted by the server, lost in a restart) or unservable.
+                elif result is None or key in corrupt:
+                    # Gone (expired, evicted by the server, lost in a restart) or damaged.
                     self._drop((namespace, key))
-        if bad:
-            # A value that failed its checks once always will: remove it (best effort; the
-            # cluster client splits a multi-key DEL by slot).
+        if corrupt:
+            # Damage every reader sees (a checksum or a length): remove it (best effort; the
+            # cluster client splits a multi-key DEL by slot). A RejectedRecord stays: it may
+            # be another reader's to serve (this one may have the wrong key), and a forger
+            # could write it again anyway.
             with contextlib.suppress(TierError):
                 self._call(
-                    lambda client: client.delete(*[self.redis_key(k, namespace) for k in bad])
+                    lambda client: client.delete(*[self.redis_key(k, namespace) for k in corrupt])
                 )
         return results
 
@@ -318,11 +335,13 @@ class RedisTier(TierBackend):
         if isinstance(reply, BaseException):
             raise TierError(f"GET failed: {reply}")
         head = parse_head(reply)
-        if head.key != key or head.namespace != namespace or head.tombstone:
-            raise TierError("value belongs to another key or namespace")
         body = memoryview(reply)[head.head_len :]
         if len(body) != head.body_len:
-            raise TierError("value length does not match its head")
+            raise CorruptRecord("value length does not match its head")
+        if head.key != key or head.namespace != namespace or head.tombstone:
+            # Not damage that every reader sees: a reader with another key scheme (hash_tag)
+            # may find the same Redis key under another name.
+            raise RejectedRecord("value belongs to another key or namespace")
         dest = self._codec.body_into(head, out)
         return deliver(self._codec.decode(head, body, dest, in_place=False), out)
 
