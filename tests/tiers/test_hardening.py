@@ -8,8 +8,11 @@ readers can use.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
+import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +20,15 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.cache.config import TiersConfig
 from kvtier.errors import KvtierError
 from kvtier.tiers import DiskTier, Payload, RedisTier, Sealer, Signer
-from kvtier.tiers.record import encode_head, parse_head
+from kvtier.tiers.record import RecordHead, encode_head, parse_head
+from kvtier.tiers.segment import HEADER_BYTES, Segment
 from tests.tiers.conftest import RedisServer
 
 
@@ -258,3 +265,108 @@ def test_the_remote_tier_signs_by_default_when_a_key_is_configured() -> None:
         TiersConfig(**remote, encrypt=True, integrity="none")
     with pytest.raises(KvtierError, match="mac, encrypt or none"):
         TiersConfig(**remote, integrity="hmac")  # type: ignore[arg-type]
+
+
+# -- 5. a damaged disk segment ----------------------------------------------------------------
+
+
+def only_segment(directory: Path) -> Path:
+    (path,) = sorted(directory.glob("*.seg"))
+    return path
+
+
+def intact_records(path: Path) -> list[tuple[int, RecordHead]]:
+    """The records of an undamaged segment file, as the start-up scan lists them."""
+    opened = Segment.open_existing(path, direct=False)
+    assert opened is not None
+    segment, records = opened
+    segment.close()
+    return records
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+def test_a_zeroed_region_mid_segment_costs_only_the_records_it_hits(
+    tmp_path: Path, make_payload: Callable[..., Payload], same, where: str
+) -> None:
+    a, b, c = (make_payload(seed=i) for i in range(3))
+    tier = DiskTier(tmp_path, 1 << 20, persist=True)
+    for key, payload in ((b"A", a), (b"B", b), (b"C", c)):
+        assert tier.put(key, payload)
+    tier.delete(b"B")  # a tombstone, after C
+    tier.close()
+    path = only_segment(tmp_path)
+    offset, head = intact_records(path)[0]  # A
+    start = offset if where == "head" else offset + head.head_len + 100
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(2000))
+
+    again = DiskTier(tmp_path, 1 << 20, persist=True)
+    assert again.get(b"A") is None
+    assert same(again.get(b"C"), c)  # after the damage: still found
+    assert not again.contains(b"B") and again.get(b"B") is None  # its tombstone still counts
+    assert again.put(b"D", a) and same(again.get(b"D"), a)
+    again.close()
+    assert path.stat().st_size > offset + head.record_len  # nothing after the damage was cut
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "put", "delete"]), st.integers(0, 3)),
+        min_size=1,
+        max_size=12,
+    ),
+    damage=st.lists(
+        st.tuples(
+            st.floats(0, 1), st.integers(1, 3000), st.sampled_from(["zero", "flip", "random"])
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_random_damage_never_yields_wrong_bytes_and_spares_intact_records(
+    ops: list[tuple[str, int]], damage: list[tuple[float, int, str]], seed: int
+) -> None:
+    """Whatever is damaged after the segment header, a reopened tier serves for each key
+    exactly what its last record with an intact head says: that record's bytes when its body
+    is intact too, a miss when it is a tombstone or its body is damaged (or no head is left)."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as directory:
+        tier = DiskTier(directory, 8 << 20, persist=True)
+        for i, (op, key) in enumerate([("put", 0), *ops]):  # a put first: a segment exists
+            if op == "put":
+                tier.put(bytes([key]), Payload.of(torch.full((3000 + key,), i, dtype=torch.uint8)))
+            else:
+                tier.delete(bytes([key]))
+        tier.close()
+        path = only_segment(Path(directory))
+        original = path.read_bytes()
+        records = intact_records(path)
+        damaged = bytearray(original)
+        for where, length, kind in damage:
+            start = HEADER_BYTES + int(where * (len(damaged) - HEADER_BYTES))
+            end = min(len(damaged), start + length)
+            for i in range(start, end):
+                damaged[i] = {"zero": 0, "flip": damaged[i] ^ 0xFF}.get(kind, rng.randrange(256))
+        path.write_bytes(damaged)
+        changed = [i for i in range(len(original)) if original[i] != damaged[i]]
+
+        def hit(lo: int, hi: int) -> bool:
+            return bisect.bisect_left(changed, lo) < bisect.bisect_left(changed, hi)
+
+        expected: dict[bytes, bytes | None] = {}
+        for offset, head in records:
+            if hit(offset, offset + head.head_len):
+                continue  # not found by the scan
+            body = (offset + head.head_len, offset + head.record_len)
+            intact = not head.tombstone and not hit(*body)
+            expected[head.key] = original[body[0] : body[1]] if intact else None
+
+        again = DiskTier(directory, 8 << 20, persist=True)
+        for key in range(4):
+            got = again.get(bytes([key]))
+            served = None if got is None or got.data is None else got.data.numpy().tobytes()
+            assert served == expected.get(bytes([key]))
+        again.close()
