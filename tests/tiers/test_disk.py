@@ -124,7 +124,7 @@ def test_corrupt_head_and_torn_tail_are_cut_at_restart(tmp_path, make_payload, s
     assert same(again.get(bytes([2])), payloads[2])
     again.close()
 
-    # Damage the head of the second record: it and everything after it in the segment go.
+    # Damage the head of the second record, the last of its segment: it is not indexed.
     data = bytearray(segment.read_bytes())
     second = data.index(b"KVTR", HEADER_BYTES + 10)
     data[second + 20] ^= 0xFF

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
 
 RestoreMode = Literal["load", "plan", "recompute"]
+Integrity = Literal["mac", "encrypt", "none"]
 
 TIER_NAMES = ("host", "disk", "remote")  # top first
 # The forms a tier can store chunks in (kvtier.cache.forms), most precise first.
@@ -45,6 +46,11 @@ class TiersConfig:
     ("full", "int8", "int4"; see docs/cache.md "Forms"). A tier not listed keeps the form of
     the tier above it (the top tier: "full"); a tier may not be more precise than the one
     above it. Chunks are encoded on the mover's worker as they enter the tier.
+    `encrypt` seals disk and remote records with `encrypt_key` (AES-GCM; a random per-process
+    key without one). `integrity`, how the remote tier protects its values: "encrypt"
+    (sealed), "mac" (signed with `encrypt_key`: readable, but nobody without the key can
+    forge one), "none" (checksummed only; warned at start). None picks "encrypt" with
+    `encrypt`, else "mac" when `encrypt_key` is set, else "none" (docs/tiers.md, Threat model).
     """
 
     host_bytes: int = 1 << 30
@@ -57,6 +63,7 @@ class TiersConfig:
     chunk_tokens: int = 256
     encrypt: bool = False
     encrypt_key: bytes | None = None  # None with encrypt=True: a random per-process key
+    integrity: Integrity | None = None
     restore: RestoreMode = "load"
     restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
     prefetch: bool = True  # start loads when a request is queued
@@ -97,6 +104,30 @@ class TiersConfig:
         if not (self.host_bytes or (self.disk_bytes and self.disk_dir) or self.redis_url):
             raise KvtierError("tiers: configure at least one of host, disk, redis")
         self._check_forms()
+        self._check_integrity()
+
+    def remote_integrity(self) -> Integrity:
+        """How the remote tier protects its values (`integrity`, or the default it implies)."""
+        if self.integrity is not None:
+            return self.integrity
+        if self.encrypt:
+            return "encrypt"
+        return "mac" if self.encrypt_key is not None else "none"
+
+    def _check_integrity(self) -> None:
+        if self.integrity not in (None, "mac", "encrypt", "none"):
+            raise KvtierError(
+                f"tiers.integrity must be mac, encrypt or none, got {self.integrity!r}"
+            )
+        if self.integrity == "mac" and self.encrypt_key is None:
+            # A per-process key would make every other replica's and every earlier run's
+            # values misses: signing needs the key the replicas share.
+            raise KvtierError("tiers.integrity='mac' needs tiers.encrypt_key")
+        if self.encrypt and self.integrity in ("mac", "none"):
+            raise KvtierError(
+                f"tiers.encrypt=True seals remote values; tiers.integrity={self.integrity!r} "
+                "contradicts it (leave integrity unset or set it to 'encrypt')"
+            )
 
     def _check_forms(self) -> None:
         if not isinstance(self.forms, Mapping):

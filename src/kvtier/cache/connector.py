@@ -49,7 +49,17 @@ from kvtier.cache.policy_runner import PolicyRunner
 from kvtier.cache.writes import BackgroundWrites
 from kvtier.engine.hooks import BlockEventListener
 from kvtier.engine.request import Request
-from kvtier.tiers import Chunk, DiskTier, HostTier, Mover, Payload, RedisTier, Sealer, TieredStore
+from kvtier.tiers import (
+    Chunk,
+    DiskTier,
+    HostTier,
+    Mover,
+    Payload,
+    RedisTier,
+    Sealer,
+    Signer,
+    TieredStore,
+)
 from kvtier.tiers.base import TierBackend
 from kvtier.tiers.payload import aligned_bytes
 from kvtier.tiers.record import PAGE_BYTES
@@ -145,16 +155,16 @@ class TieredConnector(BlockEventListener):
 
     def _build_tiers(self) -> list[TierBackend]:
         c = self.config
-        sealer = None
-        if c.encrypt:
-            sealer = Sealer(c.encrypt_key or os.urandom(32))
+        remote = c.remote_integrity()
+        master = c.encrypt_key or os.urandom(32)
+        sealer = Sealer(master) if c.encrypt or remote == "encrypt" else None
         tiers: list[TierBackend] = []
         if c.host_bytes:
             # a slot per block in the host's form, so a chunk of whole blocks wastes nothing
             slot = self.chunk_forms.nbytes(1, c.tier_forms()["host"])
             tiers.append(HostTier(c.host_bytes, slot_bytes=slot))
         if c.disk_bytes and c.disk_dir is not None:
-            tiers.append(DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer))
+            tiers.append(DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer if c.encrypt else None))
         if c.redis_url:
             tiers.append(
                 RedisTier(
@@ -162,7 +172,8 @@ class TieredConnector(BlockEventListener):
                     c.redis_bytes,
                     prefix=c.redis_prefix,
                     timeout_s=c.redis_timeout_s,
-                    sealer=sealer,
+                    sealer=sealer if remote == "encrypt" else None,
+                    signer=Signer(master) if remote == "mac" else None,
                 )
             )
         return tiers

@@ -3,8 +3,15 @@
 See docs/tiers.md for the contract, the formats on disk and in Redis, and the failure semantics.
 """
 
-from kvtier.tiers.base import TierBackend, TierEntry, TierError, TierStats
-from kvtier.tiers.crypto import Sealer
+from kvtier.tiers.base import (
+    CorruptRecord,
+    RejectedRecord,
+    TierBackend,
+    TierEntry,
+    TierError,
+    TierStats,
+)
+from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.mover import Mover, Prefetch
@@ -15,6 +22,7 @@ from kvtier.tiers.store import Chunk, Placement, TieredStore, chunk_id
 
 __all__ = [
     "Chunk",
+    "CorruptRecord",
     "DiskTier",
     "HostTier",
     "Mover",
@@ -22,7 +30,9 @@ __all__ = [
     "Placement",
     "Prefetch",
     "RedisTier",
+    "RejectedRecord",
     "Sealer",
+    "Signer",
     "SizeOnlyTier",
     "TierBackend",
     "TierEntry",

@@ -35,6 +35,19 @@ class TierError(Exception):
     tampered record, or a tier that is down. Raised inside backends, never out of them."""
 
 
+class CorruptRecord(TierError):
+    """A stored record fails the checks any reader can make (a head or body checksum, a length):
+    torn, truncated or bit-flipped. No reader will ever serve it, so a tier may delete it."""
+
+
+class RejectedRecord(TierError):
+    """A record this reader does not accept although its checksums hold: it fails this reader's
+    key (another master key, a forgery), names another key or namespace, or is protected
+    otherwise than this tier is (sealed, signed, neither) or by a newer format. Others may
+    read it, so it is a miss here and stays where it is: one misconfigured reader must not
+    delete what the rest use."""
+
+
 @dataclass(frozen=True, slots=True)
 class TierEntry:
     """One stored payload as a tier lists it after a restart (see `TierBackend.entries`)."""
@@ -59,6 +72,8 @@ class TierStats:
         "errors",
         "refused",
         "evicted",
+        "corrupt",
+        "rejected",
     )
 
     def __init__(self) -> None:
@@ -74,6 +89,10 @@ class TierStats:
         self.refused = 0
         # entries the backend dropped on its own to stay within budget (disk GC, Redis)
         self.evicted = 0
+        # reads that met a CorruptRecord (then dropped) or a RejectedRecord (then left in
+        # place); both are counted in `errors` too
+        self.corrupt = 0
+        self.rejected = 0
         self.get_latency = LatencyHistogram()
         self.put_latency = LatencyHistogram()
         self._lock = threading.Lock()
@@ -235,7 +254,12 @@ class TierBackend(ABC):
         return result
 
     def _failed(self, op: str, key: bytes, exc: BaseException) -> None:
-        self.stats.add(errors=1)
+        if isinstance(exc, CorruptRecord):
+            self.stats.add(errors=1, corrupt=1)
+        elif isinstance(exc, RejectedRecord):
+            self.stats.add(errors=1, rejected=1)
+        else:
+            self.stats.add(errors=1)
         if isinstance(exc, TierError | OSError):
             # Expected failures are counted, not logged one by one: an outage would flood the
             # log. Backends log their own state changes (Redis down/up) once.

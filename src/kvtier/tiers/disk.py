@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kvtier.tiers.base import TierBackend, TierEntry, TierError
-from kvtier.tiers.crypto import Sealer
+from kvtier.tiers.base import CorruptRecord, TierBackend, TierEntry, TierError
+from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer
 from kvtier.tiers.record import (
     FLAG_SEALED,
@@ -68,6 +68,7 @@ class DiskTier(TierBackend):
         direct: bool = False,
         persist: bool = False,
         sealer: Sealer | None = None,
+        signer: Signer | None = None,
         compact_below: float = 0.25,
         name: str = "disk",
     ) -> None:
@@ -76,6 +77,8 @@ class DiskTier(TierBackend):
             than capacity/8, so GC frees space in steps of at most an eighth of the budget.
         direct: write and read with O_DIRECT (page cache bypassed, 4 KiB-aligned records);
             falls back to buffered I/O, with a log line, where the filesystem refuses it.
+        sealer, signer: encrypt and authenticate records (AES-GCM) or only authenticate them
+            (GMAC); at most one. Tombstones are neither: a forged one can only delete.
         """
         super().__init__(name)
         if capacity_bytes < 4 * HEADER_BYTES:
@@ -88,7 +91,7 @@ class DiskTier(TierBackend):
         )
         self.persist = persist
         self.compact_below = compact_below
-        self._codec = RecordCodec(sealer)
+        self._codec = RecordCodec(sealer, signer)
         # Reentrant: used_bytes is read both by callers and from inside locked operations.
         self._lock = threading.RLock()
         self._bounce = AlignedBuffer()
@@ -338,7 +341,7 @@ class DiskTier(TierBackend):
 
 def _check_same(found: memoryview, expected: RecordHead) -> None:
     if not expected.matches(found):
-        raise TierError("record on disk differs from the index (stale or overwritten)")
+        raise CorruptRecord("record on disk differs from the index (stale or overwritten)")
 
 
 def _direct_io_works(directory: Path, bounce: AlignedBuffer) -> bool:

@@ -4,7 +4,8 @@
     0       4     magic b"KVTR"
     4       1     version (1)
     5       1     flags: 1 = body sealed (AES-GCM), 2 = tombstone (a durable delete, no body),
-                  4 = page head (the head is padded to 4096 bytes instead of 64)
+                  4 = page head (the head is padded to 4096 bytes instead of 64),
+                  8 = signed (a GMAC of the record follows the metadata)
     6       2     key length K
     8       2     namespace length N (UTF-8)
     10      2     metadata length M (form, dtype, shape; see Payload.meta)
@@ -13,6 +14,8 @@
     28      8     written at, Unix seconds (float64): eviction order after a restart
     36      8     xxh3-64 of bytes 0..36 and of key + namespace + metadata
     44      K+N+M key, namespace, metadata
+    ...     28    with flag 8: nonce || tag of a GMAC (crypto.Signer) over K, N, M, B, key,
+                  namespace, metadata and body, under the namespace's key
     ...     0-63  zero padding: the head is a multiple of 64 bytes (of 4096 with flag 4)
     H       B     body (H = head length)
 
@@ -24,10 +27,13 @@ slower here. O_DIRECT segments write page heads (flag 4): their records start at
 aligned caller memory with no bounce copy; the flag makes each record say where its body is.
 
 The head checksum lets a scan trust a record's length (and so find the next record) without
-reading its body; the body checksum is verified on every read, so a record that was torn,
-bit-rotted or edited is never served. xxh3 runs at tens of GB/s (zlib's crc32 measured 4 GB/s
-here, blake2b 1 GB/s), yet a page-cache read is a memory copy too, so verifying still costs a
-second pass over the bytes.
+reading its body; the body checksum is verified on every read, so a record that was torn or
+bit-rotted is never served. Both checksums are unkeyed: any reader can tell such damage
+(`CorruptRecord`) from a record its own key does not verify (`RejectedRecord`: sealed or signed
+with another key, or forged by someone who recomputed the checksums), which is why the keyed
+check sits on top of them rather than replacing them. xxh3 runs at tens of GB/s (zlib's crc32
+measured 4 GB/s here, blake2b 1 GB/s), yet a page-cache read is a memory copy too, so verifying
+still costs a second pass over the bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from kvtier.tiers.base import TierError
-from kvtier.tiers.crypto import OVERHEAD_BYTES, Sealer
+from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierError
+from kvtier.tiers.crypto import MAC_BYTES, OVERHEAD_BYTES, Sealer, Signer
 from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
 
 MAGIC = b"KVTR"
@@ -49,8 +55,12 @@ VERSION = 1
 FLAG_SEALED = 1
 FLAG_TOMBSTONE = 2
 FLAG_PAGE_HEAD = 4
+FLAG_SIGNED = 8
+_KNOWN_FLAGS = FLAG_SEALED | FLAG_TOMBSTONE | FLAG_PAGE_HEAD | FLAG_SIGNED
+_PROTECTION = FLAG_SEALED | FLAG_SIGNED
 
 _FIXED = struct.Struct("<4sBBHHHQQd")
+_IDENTITY = struct.Struct("<HHHQ")  # K, N, M, B: what a signature covers ahead of the bytes
 _SUM = struct.Struct("<Q")
 FIXED_BYTES = _FIXED.size + _SUM.size
 HEAD_ALIGN = 64
@@ -74,6 +84,7 @@ class RecordHead:
     written_at: float
     head_len: int
     raw: bytes  # the head's bytes up to its zero padding, as read or written
+    mac: bytes = b""  # the signature, with FLAG_SIGNED
 
     def matches(self, buf: BytesLike) -> bool:
         """Whether `buf` starts with exactly this head, padding included: how a reader checks
@@ -97,9 +108,18 @@ class RecordHead:
 
 
 def encode_head(
-    key: bytes, namespace: str, meta: bytes, body: BytesLike, flags: int, written_at: float
+    key: bytes,
+    namespace: str,
+    meta: bytes,
+    body: BytesLike,
+    flags: int,
+    written_at: float,
+    mac: bytes = b"",
 ) -> bytes:
-    """The head of a record holding `body`, padded to 64 bytes, or to 4096 with FLAG_PAGE_HEAD."""
+    """The head of a record holding `body`, padded to 64 bytes, or to 4096 with FLAG_PAGE_HEAD.
+
+    mac: the record's signature (`signed_pieces`), with FLAG_SIGNED.
+    """
     ns = namespace.encode()
     fixed = _FIXED.pack(
         MAGIC,
@@ -112,7 +132,7 @@ def encode_head(
         xxhash.xxh3_64_intdigest(body),
         written_at,
     )
-    variable = key + ns + meta
+    variable = key + ns + meta + mac
     head = fixed + _SUM.pack(xxhash.xxh3_64_intdigest(fixed + variable)) + variable
     return head + bytes(align_up(len(head), _head_align(flags)) - len(head))
 
@@ -124,38 +144,44 @@ def _head_align(flags: int) -> int:
 def head_len(fixed: BytesLike) -> int:
     """Total head length from its first FIXED_BYTES, so a reader knows how much more to read."""
     if len(fixed) < FIXED_BYTES:
-        raise TierError("record head cut short")
+        raise CorruptRecord("record head cut short")
     magic, version, flags, key_len, ns_len, meta_len, *_ = _FIXED.unpack_from(fixed)
-    if magic != MAGIC or version != VERSION:
-        raise TierError("not a kvtier record (bad magic or version)")
-    return align_up(FIXED_BYTES + key_len + ns_len + meta_len, _head_align(flags))
+    if magic != MAGIC:
+        raise CorruptRecord("not a kvtier record (bad magic)")
+    if version != VERSION or flags & ~_KNOWN_FLAGS:
+        # Likely a newer writer's record: not ours to judge, let alone delete.
+        raise RejectedRecord(f"record of an unknown format (version {version}, flags {flags})")
+    mac_len = MAC_BYTES if flags & FLAG_SIGNED else 0
+    return align_up(FIXED_BYTES + key_len + ns_len + meta_len + mac_len, _head_align(flags))
 
 
 def parse_head(buf: BytesLike) -> RecordHead:
     """Check and decode a head; `buf` must start at the record and hold at least the head."""
     length = head_len(buf)
     if len(buf) < length:
-        raise TierError("record head cut short")
+        raise CorruptRecord("record head cut short")
     view = memoryview(buf)
     _, _, flags, key_len, ns_len, meta_len, body_len, body_sum, written_at = _FIXED.unpack_from(
         view
     )
     (head_sum,) = _SUM.unpack_from(view, _FIXED.size)
-    end = FIXED_BYTES + key_len + ns_len + meta_len
+    meta_end = key_len + ns_len + meta_len
+    end = FIXED_BYTES + meta_end + (MAC_BYTES if flags & FLAG_SIGNED else 0)
     variable = bytes(view[FIXED_BYTES:end])
     if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + variable) != head_sum:
-        raise TierError("record head checksum mismatch")
+        raise CorruptRecord("record head checksum mismatch")
     if bytes(view[end:length]) != bytes(length - end):  # memcmp: a page head pads ~4 KB
-        raise TierError("record head padding is not zero")
+        raise CorruptRecord("record head padding is not zero")
     try:
         namespace = variable[key_len : key_len + ns_len].decode()
     except UnicodeDecodeError as exc:
-        raise TierError("record namespace unreadable") from exc
+        raise CorruptRecord("record namespace unreadable") from exc
     return RecordHead(
         flags=flags,
         key=variable[:key_len],
         namespace=namespace,
-        meta=variable[key_len + ns_len :],
+        meta=variable[key_len + ns_len : meta_end],
+        mac=variable[meta_end:],
         body_len=body_len,
         body_sum=body_sum,
         written_at=written_at,
@@ -165,10 +191,15 @@ def parse_head(buf: BytesLike) -> RecordHead:
 
 
 class RecordCodec:
-    """Payload <-> (head, body), sealing bodies when the tier encrypts at rest."""
+    """Payload <-> (head, body), sealing bodies when the tier encrypts at rest, or signing
+    records when it wants integrity without secrecy (one or neither, never both)."""
 
-    def __init__(self, sealer: Sealer | None = None) -> None:
+    def __init__(self, sealer: Sealer | None = None, signer: Signer | None = None) -> None:
+        if sealer is not None and signer is not None:
+            raise ValueError("a tier seals or signs its records, not both (sealing authenticates)")
         self.sealer = sealer
+        self.signer = signer
+        self._protection = FLAG_SEALED if sealer else FLAG_SIGNED if signer else 0
 
     def encode(
         self, key: bytes, namespace: str, payload: Payload, *, page_head: bool = False
@@ -184,10 +215,14 @@ class RecordCodec:
         meta = payload.meta()
         body: BytesLike = as_buffer(payload.data.cpu())
         flags = FLAG_PAGE_HEAD if page_head else 0
+        mac = b""
         if self.sealer is not None:
             body = self.sealer.seal(namespace, key + meta, body)
             flags = FLAG_SEALED
-        return encode_head(key, namespace, meta, body, flags, time.time()), body
+        elif self.signer is not None:
+            flags |= FLAG_SIGNED
+            mac = self.signer.sign(namespace, signed_pieces(key, namespace, meta, body))
+        return encode_head(key, namespace, meta, body, flags, time.time(), mac), body
 
     def tombstone(self, key: bytes, namespace: str) -> bytes:
         return encode_head(key, namespace, b"", b"", FLAG_TOMBSTONE, time.time())
@@ -212,27 +247,51 @@ class RecordCodec:
         """Verify the body and leave the payload bytes in `dest`.
 
         in_place: the body was read straight into `dest` (an unsealed disk read), so only the
-            checksum remains to do; otherwise the body is copied or decrypted into `dest`.
+            checks remain to do; otherwise the body is copied or decrypted into `dest`.
         body_sum: the body's xxh3-64 when the reader already hashed it on the way in.
+
+        CorruptRecord when the unkeyed checksum fails (damage any reader sees), RejectedRecord
+        when this tier's key or settings do not accept the record.
         """
         if body_sum is None:
             body_sum = xxhash.xxh3_64_intdigest(body)
         if body_sum != head.body_sum:
-            raise TierError("record body checksum mismatch")
-        sealed = bool(head.flags & FLAG_SEALED)
-        if sealed != (self.sealer is not None):
-            # A tier that encrypts must not serve a plaintext record someone planted, and one
-            # that does not encrypt cannot open a sealed one.
-            raise TierError("record sealing does not match this tier's encryption setting")
+            raise CorruptRecord("record body checksum mismatch")
+        if head.flags & _PROTECTION != self._protection:
+            # A tier that seals or signs must not serve a plain record someone planted (its
+            # checksums are no proof of origin), and one cannot open what another sealed.
+            found, expected = _describe(head.flags), _describe(self._protection)
+            raise RejectedRecord(f"record is {found}; this tier expects {expected}")
         if self.sealer is not None:
             self.sealer.open_into(head.namespace, head.key + head.meta, body, as_buffer(dest))
-        elif not in_place:
-            as_buffer(dest)[:] = body
+        else:
+            if self.signer is not None:
+                pieces = signed_pieces(head.key, head.namespace, head.meta, body)
+                self.signer.verify(head.namespace, pieces, head.mac)
+            if not in_place:
+                as_buffer(dest)[:] = body
         try:
             described = _described(head.meta)
         except ValueError as exc:
-            raise TierError(str(exc)) from exc
+            raise RejectedRecord(str(exc)) from exc  # a newer writer's dtype or form, maybe
         return Payload(dest, head.payload_nbytes, described.form, described.dtype, described.shape)
+
+
+def signed_pieces(
+    key: bytes, namespace: str, meta: bytes, body: BytesLike
+) -> tuple[bytes, BytesLike]:
+    """What a record's signature covers: the lengths, then key, namespace and metadata, then
+    the body. The lengths make the concatenation unambiguous, and naming key and namespace
+    binds the record to them: a signed record copied under another name does not verify."""
+    ns = namespace.encode()
+    identity = _IDENTITY.pack(len(key), len(ns), len(meta), len(body)) + key + ns + meta
+    return identity, body
+
+
+def _describe(protection: int) -> str:
+    if protection & FLAG_SEALED:
+        return "sealed"
+    return "signed" if protection & FLAG_SIGNED else "neither sealed nor signed"
 
 
 @functools.lru_cache(maxsize=1024)

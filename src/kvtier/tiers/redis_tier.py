@@ -37,8 +37,8 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from kvtier.tiers.base import TierBackend, TierEntry, TierError
-from kvtier.tiers.crypto import Sealer
+from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierBackend, TierEntry, TierError
+from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
 from kvtier.tiers.record import RecordCodec, deliver, parse_head
 
@@ -90,9 +90,16 @@ class RedisTier(TierBackend):
         hash_tag: bool = False,
         on_full: Literal["evict", "refuse"] = "evict",
         sealer: Sealer | None = None,
+        signer: Signer | None = None,
         retry_after_s: tuple[float, float] = (0.1, 5.0),
         name: str = "remote",
     ) -> None:
+        """
+        sealer, signer: encrypt and authenticate every value (AES-GCM), or only authenticate
+            it (GMAC); at most one. With neither, a value is only checksummed, and whoever can
+            write to the server can make this tier serve bytes of their choosing: logged as a
+            warning (see "Threat model" in docs/tiers.md).
+        """
         super().__init__(name)
         self.url = url
         self._capacity = capacity_bytes
@@ -103,11 +110,19 @@ class RedisTier(TierBackend):
         self.hash_tag = hash_tag
         self.on_full = on_full
         self.retry_after_s = retry_after_s
-        self._codec = RecordCodec(sealer)
+        self._codec = RecordCodec(sealer, signer)
+        if sealer is None and signer is None:
+            log.warning(
+                "%s: values in redis at %s are neither signed nor sealed: whoever can write "
+                "there can make this tier serve forged KV; give it a master key to sign them",
+                name,
+                url,
+            )
         self._client: redis.Redis | RedisCluster | None = None
         self._held: OrderedDict[tuple[str, bytes], _Held] = OrderedDict()
         self._used = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the held-keys count
+        self._link = threading.Lock()  # the client and the outage state below
         self._down_until = 0.0
         self._failures = 0
         self._resync = True  # the held-keys count is rebuilt from the server at first contact
@@ -204,9 +219,10 @@ class RedisTier(TierBackend):
             ]
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        with self._link:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     # -- batches -------------------------------------------------------------------------
 
@@ -284,27 +300,30 @@ class RedisTier(TierBackend):
 
         replies = self._call(read)
         results: list[Payload | BaseException | None] = []
-        bad: list[bytes] = []
+        corrupt: list[bytes] = []
         for key, out, reply in zip(keys, outs, replies, strict=True):
             try:
                 results.append(self._decode(key, namespace, out, reply))
             except TierError as exc:
                 results.append(exc)
-                bad.append(key)
+                if isinstance(exc, CorruptRecord):
+                    corrupt.append(key)
         with self._lock:
             for key, result in zip(keys, results, strict=True):
                 if isinstance(result, Payload) and (namespace, key) in self._held:
                     self._held.move_to_end((namespace, key))
                     self._held[(namespace, key)].expires_at = self._expiry()
-                elif result is None or key in bad:
-                    # Gone (expired, evicted by the server, lost in a restart) or unservable.
+                elif result is None or key in corrupt:
+                    # Gone (expired, evicted by the server, lost in a restart) or damaged.
                     self._drop((namespace, key))
-        if bad:
-            # A value that failed its checks once always will: remove it (best effort; the
-            # cluster client splits a multi-key DEL by slot).
+        if corrupt:
+            # Damage every reader sees (a checksum or a length): remove it (best effort; the
+            # cluster client splits a multi-key DEL by slot). A RejectedRecord stays: it may
+            # be another reader's to serve (this one may have the wrong key), and a forger
+            # could write it again anyway.
             with contextlib.suppress(TierError):
                 self._call(
-                    lambda client: client.delete(*[self.redis_key(k, namespace) for k in bad])
+                    lambda client: client.delete(*[self.redis_key(k, namespace) for k in corrupt])
                 )
         return results
 
@@ -316,11 +335,13 @@ class RedisTier(TierBackend):
         if isinstance(reply, BaseException):
             raise TierError(f"GET failed: {reply}")
         head = parse_head(reply)
-        if head.key != key or head.namespace != namespace or head.tombstone:
-            raise TierError("value belongs to another key or namespace")
         body = memoryview(reply)[head.head_len :]
         if len(body) != head.body_len:
-            raise TierError("value length does not match its head")
+            raise CorruptRecord("value length does not match its head")
+        if head.key != key or head.namespace != namespace or head.tombstone:
+            # Not damage that every reader sees: a reader with another key scheme (hash_tag)
+            # may find the same Redis key under another name.
+            raise RejectedRecord("value belongs to another key or namespace")
         dest = self._codec.body_into(head, out)
         return deliver(self._codec.decode(head, body, dest, in_place=False), out)
 
@@ -328,23 +349,40 @@ class RedisTier(TierBackend):
 
     def _call(self, op: Callable[[Any], T]) -> T:
         """Run `op(client)` within the timeout; any failure becomes a TierError."""
-        if time.monotonic() < self._down_until:
-            raise TierError("remote tier is down; waiting out the backoff")
+        client = self._connection()
         try:
-            if self._client is None:
-                self._client = self._connect()
-            if self._resync:
-                self._rebuild(self._client)
-            result = op(self._client)
+            return op(client)
         except ResponseError as exc:  # the server answered: it is up, the command failed
             raise TierError(f"redis refused: {exc}") from exc
         except (RedisError, RedisClusterException, OSError) as exc:
-            self._mark_down(exc)
+            self._mark_down(client, exc)
             raise TierError(f"redis unreachable: {exc}") from exc
-        if self._failures:
-            log.warning("%s: redis at %s is back", self.name, self.url)
-            self._failures = 0
-        return result
+
+    def _connection(self) -> Any:
+        """The current client, connected and recounted; TierError while the server is down.
+
+        Under `_link`, so that of the threads arriving after an outage one reconnects and
+        recounts and the others wait for it (then use its client, or fail fast in its backoff).
+        """
+        with self._link:
+            if time.monotonic() < self._down_until:
+                raise TierError("remote tier is down; waiting out the backoff")
+            client = self._client
+            if client is None:
+                client = self._client = self._connect()
+            if self._resync:
+                try:
+                    self._rebuild(client)
+                except ResponseError as exc:
+                    raise TierError(f"redis refused: {exc}") from exc
+                except (RedisError, RedisClusterException, OSError) as exc:
+                    self._mark_down_locked(client, exc)
+                    raise TierError(f"redis unreachable: {exc}") from exc
+                if self._failures:
+                    # A recount went through: the server answers again.
+                    log.info("%s: redis at %s is back", self.name, self.url)
+                    self._failures = 0
+            return client
 
     def _connect(self) -> redis.Redis | RedisCluster:
         options: dict[str, Any] = {
@@ -360,19 +398,29 @@ class RedisTier(TierBackend):
             return RedisCluster.from_url(self.url, **options)
         return redis.Redis.from_url(self.url, **options)
 
-    def _mark_down(self, exc: BaseException) -> None:
+    def _mark_down(self, client: Any, exc: BaseException) -> None:
+        with self._link:
+            self._mark_down_locked(client, exc)
+
+    def _mark_down_locked(self, client: Any, exc: BaseException) -> None:
+        if client is not self._client:
+            # A call on a client already replaced: its outage is counted (and logged) once,
+            # by whichever call failed first; a failure on an old client says nothing of a
+            # new one.
+            return
         self._failures += 1
         first, cap = self.retry_after_s
         delay = min(cap, first * 2 ** (self._failures - 1))
         self._down_until = time.monotonic() + delay
         if self._failures == 1:
             log.warning("%s: redis at %s unreachable (%s); backing off", self.name, self.url, exc)
-        # Drop the connections (a restarted server makes them stale) and recount the keys at
-        # the next contact: the server may have lost or kept anything meanwhile.
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                client.close()
+        # A fresh client (and connection pool) at the next contact: a restarted server makes
+        # the old connections stale. The old client is dropped, not closed: other threads may
+        # still be reading from its sockets (closing them under a reader raised "I/O operation
+        # on closed file"); their calls fail or finish on their own, and the pool's connections
+        # are closed when it is garbage-collected. The keys are recounted at the next contact:
+        # the server may have lost or kept anything meanwhile.
+        self._client = None
         self._resync = True
 
     def _rebuild(self, client: Any) -> None:

@@ -1,8 +1,14 @@
 """One append-only segment file of the disk tier: a header block, then records back to back.
 
 A segment is written only at its end and never rewritten in place, so a crash can damage at
-most the record being appended: the start-up scan stops at the first record whose head does not
-check out or whose body runs past the end of the file, and truncates there. Records (see
+most the record being appended. Other damage (a zeroed or rewritten region mid-file: a bad
+sector, a stray write) can hit any record, so the start-up scan does not stop at a head that
+does not check out: records are self-describing, so it searches forward, at the alignment
+records start at, for the next magic whose head checksum verifies and whose body fits in the
+file, and goes on from there. Records and tombstones after a damaged region still count; the
+damaged bytes stay in the file as dead bytes until GC removes the segment. Only what follows
+the last intact record (a torn tail) is truncated, so later appends never follow garbage.
+Records (see
 `record.py`) start at multiples of the segment's alignment: 4096 when it was written with
 O_DIRECT, 64 otherwise; the alignment is stored in the segment header so a segment is read back
 correctly whatever mode the tier runs in later.
@@ -24,6 +30,7 @@ from kvtier.tiers.payload import BytesLike
 from kvtier.tiers.record import (
     FIXED_BYTES,
     HEAD_ALIGN,
+    MAGIC,
     PAGE_BYTES,
     RecordHead,
     align_up,
@@ -43,6 +50,7 @@ _SUM = struct.Struct("<Q")
 # one hash for a 256-token chunk (5.6 MiB), measured faster here than 0.5-4 MiB pieces (one
 # syscall each); bigger bodies go in pieces that still fit in L3 next to other work.
 _HASH_PIECE_BYTES = 8 << 20
+_SEARCH_BYTES = 4 << 20  # read at a time while looking for the next record past damage
 
 
 def record_align(direct: bool) -> int:
@@ -100,8 +108,8 @@ class Segment:
     ) -> tuple[Segment, list[tuple[int, RecordHead]]] | None:
         """Open a segment left by an earlier run and list its intact records in order.
 
-        None when the file is not a readable segment (the caller removes it). A torn or corrupt
-        record ends the scan; the file is truncated there so later appends never follow garbage.
+        None when the file is not a readable segment (the caller removes it). A damaged record
+        is skipped (see the module doc); the file is truncated after the last intact record.
         """
         fd = os.open(path, os.O_RDWR)
         try:
@@ -112,7 +120,9 @@ class Segment:
             (header_sum,) = _SUM.unpack_from(header, _HEADER.size)
             if magic != _MAGIC or header_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
                 raise TierError("segment header corrupt")
-            records, end = _scan(fd, align, os.fstat(fd).st_size)
+            records, end, skipped = _scan(fd, align, os.fstat(fd).st_size)
+            if skipped:
+                log.warning("%s: skipped %d damaged bytes between intact records", path, skipped)
             if os.fstat(fd).st_size > end:
                 log.warning("%s: dropping a torn or corrupt tail after byte %d", path, end)
                 os.ftruncate(fd, end)
@@ -210,22 +220,49 @@ class Segment:
             self.fd = -1
 
 
-def _scan(fd: int, align: int, file_size: int) -> tuple[list[tuple[int, RecordHead]], int]:
+def _scan(fd: int, align: int, file_size: int) -> tuple[list[tuple[int, RecordHead]], int, int]:
+    """The intact records in file order, where the last of them ends, and how many bytes
+    between intact records were skipped as damaged."""
     records: list[tuple[int, RecordHead]] = []
-    offset = HEADER_BYTES
+    offset = end = HEADER_BYTES
+    skipped = 0
     while offset + FIXED_BYTES <= file_size:
-        try:
-            head = parse_head(os.pread(fd, head_len(os.pread(fd, FIXED_BYTES, offset)), offset))
-        except TierError:
-            break
-        if offset + head.record_len > file_size:
-            break  # torn: the body was being written when the process died
+        head = _intact_head(fd, offset, file_size)
+        if head is None:
+            found = _next_magic(fd, offset + align, align, file_size)
+            if found is None:
+                break  # nothing intact after: a torn tail (or damage up to the end)
+            offset = found
+            continue
+        skipped += offset - end
         records.append((offset, head))
-        offset += head.record_len
         # Padding may be missing after a torn final write; the next record then starts at
         # the aligned offset anyway (a hole, counted in the budget as if written).
-        offset = align_up(offset, align)
-    return records, min(offset, file_size)
+        offset = end = align_up(offset + head.record_len, align)
+    return records, min(end, file_size), skipped
+
+
+def _intact_head(fd: int, offset: int, file_size: int) -> RecordHead | None:
+    """The head at `offset` when it checks out and its body fits in the file, else None."""
+    try:
+        head = parse_head(os.pread(fd, head_len(os.pread(fd, FIXED_BYTES, offset)), offset))
+    except TierError:
+        return None
+    return head if offset + head.record_len <= file_size else None
+
+
+def _next_magic(fd: int, start: int, align: int, file_size: int) -> int | None:
+    """The first multiple of `align` at or after `start` (itself one) where MAGIC is: where a
+    record may start. Reads `_SEARCH_BYTES` (a multiple of any alignment) at a time, so an
+    aligned position's magic never straddles two reads."""
+    for pos in range(start, file_size, _SEARCH_BYTES):
+        block = os.pread(fd, _SEARCH_BYTES, pos)
+        at = block.find(MAGIC)
+        while at != -1:
+            if at % align == 0:
+                return pos + at
+            at = block.find(MAGIC, at + 1)
+    return None
 
 
 def _stage_for_direct(views: list[memoryview], pad: int, bounce: AlignedBuffer) -> list:
