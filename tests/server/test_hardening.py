@@ -307,7 +307,7 @@ def test_a_session_id_is_stored_once_for_all_its_blocks(hardened, engine):
     cache = hardened.app.state.kvtier.tenant_cache
     with engine.exclusive():
         copies = [s for tenant, s in cache.owner.values() if s == session]
-    assert len(copies) >= 6  # several blocks per turn
+    assert len(copies) > 1  # blocks of both turns
     assert len({id(s) for s in copies}) == 1
     wait_idle(engine)
 
