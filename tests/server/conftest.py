@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -34,13 +33,15 @@ class Server:
 
 
 def start_server(app) -> tuple[Server, threading.Thread]:
+    """Served as `kvtier serve` serves it (its uvicorn settings), on a free port."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    from kvtier.server.command import listen, uvicorn_config
+
+    sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, app.state.kvtier.config, sock, log_level="warning")
+    config.timeout_graceful_shutdown = 5
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,6 +46,8 @@ from kvtier.engine.stream_loop import StepLoop
 from kvtier.errors import KvtierError
 from kvtier.models import resolve_model_dir
 from kvtier.models.tokenizer import chat_token_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 Params = SamplingParams | Mapping[str, Any] | None
@@ -241,43 +244,82 @@ class Engine:
     # ----- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return one output per request that moved."""
+        """Schedule, run the model once, sample; return one output per request that moved.
+
+        Work done for one request (admission, compression, sampling, detokenizing) that
+        raises ends that request alone with finish_reason "error" (logged with its
+        traceback); the others go on. Only a failure of the whole batch (the forward pass,
+        the scheduler) raises out of here.
+        """
         with self._lock:
             self.num_steps += 1
             sched = self.scheduler.schedule()
             for request in sched.preempted:
                 request.prompt_logits.clear()  # recomputed after re-admission
                 self._forget_kv(request.request_id)  # recomputed and compressed again
+            failed = []
             for request in sched.admitted:
-                if self.connector is not None:
-                    self.connector.on_admitted(request)
-                else:
-                    cached = request.num_cached_tokens or 0
-                    request.metrics.prompt_token_sources = {
-                        "device": cached,
-                        "recomputed": request.num_prompt_tokens - cached,
-                    }
-                if request.session_id is not None:
-                    self.sessions.record_prefix(request.request_id, request.num_cached_tokens)
-            outputs = [self._output(r, [], finished=True) for r in sched.finished]
-            if sched.scheduled:
-                result = self.runner.execute(sched.scheduled)
-                for request, n in sched.scheduled:
-                    request.num_computed_tokens += n
-                    self.kv_manager.register_full_blocks(request)
-                    self._after_forward(request)
-                if result.sampled:
-                    next_ids = self.sampler(
-                        result.logits,
-                        [r.sampling_params for r in result.sampled],
-                        [r.generator for r in result.sampled],
-                    )
-                    for request, token_id in zip(result.sampled, next_ids, strict=True):
-                        outputs.append(self._accept_token(request, token_id))
-            self._dispatch(outputs)
+                try:
+                    self._on_admitted(request)
+                except Exception:
+                    failed.append(self._fail(request, "admitting it"))
+            outputs = [self._output(r, [], finished=True) for r in sched.finished] + failed
+            try:
+                self._forward_and_sample(sched.scheduled, outputs)
+            finally:
+                # Also when the batch failed: these requests have already left the scheduler,
+                # so `fail_all` would not reach their streams.
+                self._dispatch(outputs)
             if self.connector is not None:
                 self.connector.after_step()
             return outputs
+
+    def _forward_and_sample(
+        self, scheduled: list[tuple[Request, int]], outputs: list[RequestOutput]
+    ) -> None:
+        # A request failed at admission has given its blocks back: the forward must skip it.
+        scheduled = [(r, n) for r, n in scheduled if not r.is_finished]
+        if not scheduled:
+            return
+        result = self.runner.execute(scheduled)
+        for request, n in scheduled:
+            try:
+                request.num_computed_tokens += n
+                self.kv_manager.register_full_blocks(request)
+                self._after_forward(request)
+            except Exception:
+                outputs.append(self._fail(request, "storing its KV"))
+        for row, request in enumerate(result.sampled):
+            if request.is_finished:
+                continue
+            try:
+                # One row at a time, so a row that cannot be sampled fails alone.
+                (token_id,) = self.sampler(
+                    result.logits[row : row + 1], [request.sampling_params], [request.generator]
+                )
+                outputs.append(self._accept_token(request, token_id))
+            except Exception:
+                outputs.append(self._fail(request, "sampling its next token"))
+
+    def _on_admitted(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.on_admitted(request)
+        else:
+            cached = request.num_cached_tokens or 0
+            request.metrics.prompt_token_sources = {
+                "device": cached,
+                "recomputed": request.num_prompt_tokens - cached,
+            }
+        if request.session_id is not None:
+            self.sessions.record_prefix(request.request_id, request.num_cached_tokens)
+
+    def _fail(self, request: Request, doing: str) -> RequestOutput:
+        """End one request whose own work raised (call from an `except` block: the
+        traceback is logged here); the client gets a message without the exception text."""
+        log.exception("request %s failed while %s; ending it alone", request.request_id, doing)
+        request.error = f"internal error while {doing} (request {request.request_id})"
+        self.scheduler.finish(request, FinishReason.ERROR)
+        return self._output(request, [], finished=True)
 
     def _after_forward(self, request: Request) -> None:
         """Compress a request whose prompt was just prefilled (or bound its decode cache),

@@ -13,15 +13,22 @@ import torch
 
 from kvtier.errors import KvtierError
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
+# overflows to inf and the softmax to NaN, and anything this cold is an argmax anyway.
+SAMPLING_EPS = 1e-5
+# Seeds are 64-bit signed integers (OpenAI's and vLLM's range); torch refuses larger ones.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens, and when to stop (names follow vLLM / OpenAI).
 
-    temperature 0 is greedy. top_k 0 or -1 means off; top_p 1 means off. `seed` makes a
-    sampled request reproducible whatever else shares its batch (each request draws from its
-    own generator). `stop` strings end generation and are trimmed from the text;
-    `stop_token_ids` end it too (the model's eos does unless `ignore_eos`).
+    temperature 0 (or below SAMPLING_EPS, 1e-5) is greedy. top_k 0 or -1 means off; top_p 1
+    means off. `seed` (a 64-bit signed integer) makes a sampled request reproducible whatever
+    else shares its batch (each request draws from its own generator). `stop` strings end
+    generation and are trimmed from the text; `stop_token_ids` end it too (the model's eos
+    does unless `ignore_eos`).
     """
 
     temperature: float = 1.0
@@ -56,6 +63,8 @@ class SamplingParams:
             _check_int("stop_token_ids entry", token_id)
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not INT64_MIN <= self.seed <= INT64_MAX:
+                raise KvtierError(f"seed must be a 64-bit signed integer, got {self.seed}")
         if not isinstance(self.ignore_eos, bool):
             raise KvtierError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
@@ -73,7 +82,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self, device: str | torch.device) -> torch.Generator | None:
         """The request's own random stream; None for greedy requests (nothing to draw)."""

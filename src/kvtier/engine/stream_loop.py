@@ -8,6 +8,7 @@ this thread, so a cancelling coroutine never waits for a step to finish.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ import torch
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
@@ -48,10 +51,13 @@ class StepLoop:
             if self.engine.has_unfinished_requests():
                 try:
                     self.engine.step()
-                except Exception as exc:
-                    # A dead loop would leave every stream waiting forever: end them all
-                    # with the error instead, and keep serving new requests.
-                    self.engine.fail_all(f"engine step failed: {exc!r}")
+                except Exception:
+                    # One request's failure ends that request inside `step`; reaching here
+                    # means the whole batch failed (the forward pass, say). A dead loop would
+                    # leave every stream waiting forever: end them all instead, and keep
+                    # serving new requests. The client sees no exception text.
+                    log.exception("engine step failed; ending every request in flight")
+                    self.engine.fail_all("engine step failed (see the server log)")
             else:
                 self._wake.wait()
                 self._wake.clear()

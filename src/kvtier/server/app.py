@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import logging
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +30,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.server.config import ServerConfig
 from kvtier.server.metrics import ServerMetrics
+from kvtier.server.middleware import BodyLimitMiddleware, InternalErrorMiddleware
 from kvtier.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +42,11 @@ if TYPE_CHECKING:
     from kvtier.engine import Engine
     from kvtier.engine.engine import RequestOutput
 
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_BYTES = 256
+_JSON_MEDIA_TYPE = re.compile(r"^application/([\w.+-]+\+)?json$", re.IGNORECASE)
 
 # Pydantic's names for union members and validators in an error location, not field names.
 _TYPE_TAG = re.compile(
@@ -115,67 +124,6 @@ class ServerState:
             self.idle.set()
 
 
-class BodyLimitMiddleware:
-    """413 for request bodies over `max_bytes` (Content-Length or counted while reading).
-
-    The body is buffered (at most `max_bytes`) and replayed to the app; later `receive` calls
-    go to the server, so the app still sees a client disconnect.
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        too_big = False
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_bytes
-            except ValueError:
-                too_big = False
-        chunks: list[bytes] = []
-        size = 0
-        if not too_big:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.max_bytes:
-                    too_big = True
-                    break
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if too_big:
-            response = JSONResponse(
-                error_body(
-                    f"request body exceeds {self.max_bytes} bytes",
-                    param=None,
-                    code="request_too_large",
-                ),
-                413,
-            )
-            await response(scope, receive, send)
-            return
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
 def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     state = ServerState(engine, config)
@@ -183,6 +131,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.add_block_listener(state.tenant_cache)
+        for what, key, flag in (
+            ("the admin API", config.admin_key, "--admin-key"),
+            ("/metrics", config.metrics_key, "--metrics-key"),
+        ):
+            if key is None:
+                log.warning("%s answers loopback clients only (no %s given)", what, flag)
         try:
             yield
         finally:
@@ -196,7 +150,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="kvtier", version="1", lifespan=lifespan)
     app.state.kvtier = state
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s
+    )
+    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost
 
     # ----- errors: always OpenAI-shaped, never a bare 500 for bad input -------------------
 
@@ -206,7 +163,15 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+        # FastAPI reads a body of another type as bytes, which then "is not an object".
+        media_type = request.headers.get("content-type", "application/json").split(";")[0]
+        if not _JSON_MEDIA_TYPE.match(media_type.strip()):
+            message = f"Content-Type must be application/json, got {media_type!r}"
+            return JSONResponse(error_body(message, code="unsupported_media_type"), 415)
+        errors = list(exc.errors())
+        # A union reports one error per member; the one about the value (too long, out of
+        # range) says more than "not a string" from the member the input was never meant for.
+        errors.sort(key=lambda e: str(e.get("type", "")).endswith("_type"))
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
         if first.get("type") == "json_invalid":
@@ -230,10 +195,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
 
     # ----- auth ---------------------------------------------------------------------------
 
@@ -271,21 +232,32 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     caller_dep = Depends(caller)
 
+    def guard(request: Request, what: str, key: str | None, flag: str) -> None:
+        """With a key configured, the bearer must be it; without, the client must be local."""
+        if key is None:
+            if not _is_loopback(request):
+                raise APIError(
+                    403,
+                    f"{what} answers loopback clients only; start the server with {flag} "
+                    "to reach it from elsewhere",
+                    "permission_error",
+                    code="loopback_only",
+                )
+            return
+        given = bearer(request)
+        if given is None or not _consteq(given, key):
+            raise APIError(
+                401,
+                f"{what} needs the key given by {flag}",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
     async def admin(request: Request) -> None:
-        if config.admin_key is None:
-            if config.anonymous:
-                return  # local single-user mode
-            raise APIError(
-                403,
-                "admin API disabled: no admin_key configured",
-                "permission_error",
-                code="admin_disabled",
-            )
-        key = bearer(request)
-        if key is None or not _consteq(key, config.admin_key):
-            raise APIError(
-                401, "admin API needs the admin key", "authentication_error", code="invalid_api_key"
-            )
+        guard(request, "the admin API", config.admin_key, "--admin-key")
+
+    async def metrics_reader(request: Request) -> None:
+        guard(request, "/metrics", config.metrics_key, "--metrics-key")
 
     # ----- plain endpoints ----------------------------------------------------------------
 
@@ -304,7 +276,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         _check_model(model_id, config)
         return _model_card(config.model_name, state.created)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
     async def metrics() -> Response:
         stats = await asyncio.to_thread(engine.stats)
         tenants = await asyncio.to_thread(state.tenant_cache.stats)
@@ -393,8 +365,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             )
         default = min(config.max_tokens_default, room, config.max_output_tokens or room)
         params = _sampling_params(body, max_tokens or default)
-        session = request.headers.get("x-session-id") or body.user
-        session_id = f"{who.tenant}/{session}" if session else None
+        session_id = _session_id(request, body, who)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         state.acquire(who)
         streaming = bool(body.stream)
@@ -469,6 +440,38 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return {"tenant": tenant, "session_id": session_id, "unpinned_blocks": n}
 
     return app
+
+
+def _session_id(request: Request, body: Any, who: Caller) -> str | None:
+    """`tenant/session` from X-Session-ID or else `user`; None without either.
+
+    The id is kept with every cached block its turns fill, so its length is capped and the
+    string interned: one copy per session, shared by all its blocks and requests.
+    """
+    header = request.headers.get("x-session-id")
+    session, param = (header, None) if header else (body.user, "user")
+    if not session:
+        return None
+    size = len(session.encode())
+    if size > MAX_SESSION_ID_BYTES:
+        name = "X-Session-ID header" if param is None else "user"
+        raise APIError(
+            400,
+            f"{name} is {size} bytes; a session id is at most {MAX_SESSION_ID_BYTES}",
+            param=param,
+            code="invalid_value",
+        )
+    return sys.intern(f"{who.tenant}/{session}")
+
+
+def _is_loopback(request: Request) -> bool:
+    # Behind a proxy on this host, uvicorn takes the address from X-Forwarded-For (it trusts
+    # 127.0.0.1 by default): a proxied client counts as remote only if the proxy sets it.
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_tenant(tenant: str, config: ServerConfig) -> None:
@@ -702,7 +705,7 @@ async def _sse(
 
 
 def _check_model(name: str, config: ServerConfig) -> None:
-    if name != config.model_name:
+    if name not in config.model_names:
         raise APIError(
             404,
             f"model {name!r} does not exist; this server serves {config.model_name!r}",

@@ -7,10 +7,26 @@ parser, and `kvtier plan` must not pay for torch or FastAPI.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import socket
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from kvtier.server.config import ServerConfig
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", default=None, help="TOML file with a [server] (and [compression]) table"
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -35,13 +51,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME:API_KEY[:QUOTA_BYTES]",
         help="a tenant (repeatable); none = one anonymous tenant, no key needed",
     )
-    parser.add_argument("--admin-key", default=None, help="bearer key of the /admin API")
+    parser.add_argument(
+        "--admin-key", default=None, help="bearer key of /admin (default: loopback clients only)"
+    )
+    parser.add_argument(
+        "--metrics-key", default=None, help="bearer key of /metrics (default: loopback only)"
+    )
     parser.add_argument("--max-concurrent-requests", type=int, default=None)
     parser.add_argument("--max-prompt-tokens", type=int, default=None)
     parser.add_argument("--max-body-bytes", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--graceful-shutdown-s", type=float, default=None)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--body-timeout-s", type=float, default=None, help="408 for a body not in by then (10)"
+    )
+    parser.add_argument(
+        "--max-connections", type=int, default=None, help="open connections before 503 (512)"
+    )
+    parser.add_argument(
+        "--keep-alive-timeout-s", type=int, default=None, help="idle keep-alive close (5)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
 
 
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
@@ -54,11 +88,15 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
     overrides = {
         "model_name": args.served_model_name,
         "admin_key": args.admin_key,
+        "metrics_key": args.metrics_key,
         "max_concurrent_requests": args.max_concurrent_requests,
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_body_bytes": args.max_body_bytes,
         "max_output_tokens": args.max_output_tokens,
         "graceful_shutdown_s": args.graceful_shutdown_s,
+        "body_timeout_s": args.body_timeout_s,
+        "max_connections": args.max_connections,
+        "keep_alive_timeout_s": args.keep_alive_timeout_s,
     }
     for name, value in overrides.items():
         if value is not None:
@@ -67,14 +105,57 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
+def uvicorn_config(
+    app: Any, config: ServerConfig, sock: socket.socket, log_level: str = "info"
+) -> uvicorn.Config:
+    """How uvicorn serves the app on `sock`: the connection limits and timeouts of `config`."""
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    return uvicorn.Config(
+        app,
+        host=host,  # only named in uvicorn's start-up line: it serves on `sock`
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=config.keep_alive_timeout_s,
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+    )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the server's socket now, before the model loads: a taken port or a bad host is
+    a one-line error, not a traceback after a minute of start-up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn does itself
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise KvtierError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
+    server_config = build_server_config(args)
+    with listen(args.host, args.port) as sock:
+        serve(args, server_config, sock)
+    return 0
+
+
+def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.socket) -> None:
+    import logging
+
     import uvicorn
 
     from kvtier.engine import Engine, EngineConfig
     from kvtier.policy.config import load_compression
     from kvtier.server.app import create_app
 
-    server_config = build_server_config(args)
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
     engine_kwargs = {
         # the same file's [compression] table: every request's pipeline ("auto" is refused:
         # a server has not observed its workload when it starts)
@@ -91,13 +172,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None}))
     app = create_app(engine, server_config)
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=int(server_config.graceful_shutdown_s),
-        )
+        config = uvicorn_config(app, server_config, sock, args.log_level)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.close()
-    return 0

@@ -8,6 +8,7 @@ TOML (the `[server]` table of a kvtier config file)::
     max_concurrent_requests = 64
     max_prompt_tokens = 4096
     max_body_bytes = 1048576
+    metrics_key = "metrics-secret"   # none: /metrics only for loopback clients
 
     [server.tenants.acme]
     api_key = "sk-acme"
@@ -26,6 +27,9 @@ from typing import Any
 from kvtier.errors import KvtierError
 
 DEFAULT_MODEL_NAME = "smollm2"
+# Other ids the embedded model goes by: `kvtier plan`, `bench` and `simulate` call it
+# smollm2-135m, so a client configured from them finds the server too.
+DEFAULT_MODEL_ALIASES = ("smollm2-135m",)
 
 
 @dataclass(frozen=True)
@@ -39,30 +43,58 @@ class TenantConfig:
 class ServerConfig:
     model_name: str = DEFAULT_MODEL_NAME
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
-    admin_key: str | None = None
+    admin_key: str | None = None  # None: the admin API answers loopback clients only
+    metrics_key: str | None = None  # None: /metrics answers loopback clients only
     max_concurrent_requests: int = 64
     max_prompt_tokens: int | None = None  # None: the engine's context limit only
     max_body_bytes: int = 1 << 20
     max_tokens_default: int = 256
     max_output_tokens: int | None = None  # None: up to the model context
     graceful_shutdown_s: float = 30.0
+    body_timeout_s: float = 10.0  # a request body not in by then: 408
+    # Open connections (idle keep-alive ones too) before uvicorn answers 503: bounds what a
+    # flood of slow clients holds. Well above max_concurrent_requests, under a 1024 fd limit.
+    max_connections: int = 512
+    keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise KvtierError("server.model_name must be a non-empty string")
-        for name in ("max_concurrent_requests", "max_body_bytes", "max_tokens_default"):
+        for name in (
+            "max_concurrent_requests",
+            "max_body_bytes",
+            "max_tokens_default",
+            "max_connections",
+            "keep_alive_timeout_s",
+        ):
             _positive_int(f"server.{name}", getattr(self, name))
         for name in ("max_prompt_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 _positive_int(f"server.{name}", getattr(self, name))
+        for name in ("graceful_shutdown_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise KvtierError(f"server.{name} must be a positive number, got {value!r}")
+        for name in ("admin_key", "metrics_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise KvtierError(f"server.{name} must be a non-empty string")
         for name in self.tenants:
             if not name or "/" in name:
                 raise KvtierError(f"tenant name {name!r}: non-empty, without '/'")
         keys = [t.api_key for t in self.tenants.values()]
         if len(set(keys)) != len(keys):
             raise KvtierError("two tenants share an api_key; give each tenant its own")
-        if self.admin_key is not None and self.admin_key in keys:
-            raise KvtierError("admin_key must differ from every tenant api_key")
+        for name in ("admin_key", "metrics_key"):
+            if getattr(self, name) is not None and getattr(self, name) in keys:
+                raise KvtierError(f"{name} must differ from every tenant api_key")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Ids a request may name: `model_name` first (the one listed and answered with)."""
+        if self.model_name == DEFAULT_MODEL_NAME:
+            return (self.model_name, *DEFAULT_MODEL_ALIASES)
+        return (self.model_name,)
 
     @property
     def anonymous(self) -> bool:
@@ -90,12 +122,16 @@ class ServerConfig:
         known = {
             "model_name",
             "admin_key",
+            "metrics_key",
             "max_concurrent_requests",
             "max_prompt_tokens",
             "max_body_bytes",
             "max_tokens_default",
             "max_output_tokens",
             "graceful_shutdown_s",
+            "body_timeout_s",
+            "max_connections",
+            "keep_alive_timeout_s",
         }
         unknown = sorted(set(table) - known)
         if unknown:

@@ -3,14 +3,42 @@
 Unknown fields are ignored, as OpenAI-compatible servers do (clients send extras such as
 `logit_bias: null`); known fields are type-checked strictly, and values the engine cannot
 honour (n > 1, logprobs, non-text content) are refused with a 400 that names the field.
+Every string must be encodable Unicode (JSON can carry a lone surrogate such as "\\udfff",
+which the tokenizer cannot take) and every integer fits 64 bits, so nothing a client sends
+reaches the engine as a value it would fail on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
+from kvtier.engine.sampling import INT64_MAX, INT64_MIN
+
+MAX_STOP_STRINGS = 16  # checked against the text after every token: bounds a request's cost
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode (lone surrogate at position {exc.start})") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 Number = StrictInt | StrictFloat
 
 
@@ -20,13 +48,13 @@ class _Model(BaseModel):
 
 class TextPart(_Model):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -41,34 +69,35 @@ class StreamOptions(_Model):
 
 
 class _SamplingFields(_Model):
-    model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    model: Text
+    max_tokens: Int64 | None = Field(default=None, ge=1)
+    # Below 1e-5 the engine samples greedily (SAMPLING_EPS): no overflow from tiny values.
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM extension
+    top_k: Int64 | None = Field(default=None, ge=-1)  # vLLM extension
     n: StrictInt | None = Field(default=None, ge=1, le=1)
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int64 | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     ignore_eos: StrictBool | None = None  # vLLM extension
-    stop_token_ids: list[StrictInt] | None = None  # vLLM extension
+    stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Int64 | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+    prompt: Text | list[Text] | list[Int64]
     echo: StrictBool | None = None
-    logprobs: StrictInt | None = None
-    suffix: StrictStr | None = None
+    logprobs: Int64 | None = None
+    suffix: Text | None = None
 
 
 def error_body(

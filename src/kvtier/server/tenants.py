@@ -16,6 +16,7 @@ lock of its own.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -179,7 +180,10 @@ class TenantCache:
 
 
 def _plain_session(session_id: str | None) -> str | None:
-    """The server namespaces session ids per tenant as `tenant/session`; undo that."""
+    """The server namespaces session ids per tenant as `tenant/session`; undo that.
+
+    Interned: every block a session fills holds the same string, not a copy per block.
+    """
     if session_id is None:
         return None
-    return session_id.split("/", 1)[1] if "/" in session_id else session_id
+    return sys.intern(session_id.split("/", 1)[1]) if "/" in session_id else session_id
