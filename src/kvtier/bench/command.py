@@ -6,9 +6,9 @@ results.json (schema kvtier.results/1, the same files `kvtier simulate` writes),
 requests-<policy>.jsonl, report.md and, unless --no-plots, report.html with PNG plots.
 
 Examples:
-  kvtier bench --quick                                  # ~3.5 min on 2 CPU cores
+  kvtier bench --quick                                  # a few minutes on 2 CPU cores
   kvtier bench --workload quick --policies retain,cost --kv-cache-bytes 64MiB
-  kvtier bench --workload trace.jsonl --trace-format mooncake --scale-to 2048 --sessions 20
+  kvtier bench --workload sample --scale-to-context 2048 --sessions 20
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     work = add_workload_arguments(parser, default="quick")
     work.add_argument(
-        "--scale-to",
+        "--scale-to-context",
         type=int,
         metavar="TOKENS",
-        help="shrink every length so the longest prompt + answer fits TOKENS (traces)",
+        help="shrink every length so the longest prompt + answer fits TOKENS",
     )
-    work.add_argument("--sessions", type=int, metavar="N", help="replay only the first N sessions")
+    work.add_argument("--scale-to", dest="scale_to_context", type=int, help=argparse.SUPPRESS)
+    work.add_argument(
+        "--sessions",
+        type=int,
+        metavar="N",
+        help="replay N sessions, those with resumed turns first (docs/bench.md)",
+    )
     pol = parser.add_argument_group("policies")
     pol.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"comma-separated ({DEFAULT_POLICIES})"
@@ -80,12 +86,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
-    eng.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
+    eng.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens per step (512)"
+    )
+    eng.add_argument(
+        "--max-batched-tokens", dest="max_num_batched_tokens", type=int, help=argparse.SUPPRESS
+    )
     eng.add_argument(
         "--threads",
         type=int,
         help="torch threads (default: all cores; 1 with --quick, see docs/bench.md)",
     )
+    eng.add_argument("--num-threads", dest="threads", type=int, help=argparse.SUPPRESS)
     eng.add_argument(
         "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
     )
@@ -121,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "kv_cache_bytes": kv_bytes,
         "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         # --quick runs on 1 thread: a 2-thread OpenMP pool stalls whenever anything else
         # needs a core (measured 10x slower prefills), one thread keeps the demo's time bounded.
         "num_threads": 1 if args.quick and args.threads is None else args.threads,
@@ -245,8 +257,9 @@ def load_workload(args: argparse.Namespace) -> Workload:
         settings=args.workload_set,
         trace_format=args.trace_format,
         seed=args.seed,
-        scale_to=args.scale_to,
+        scale_to=args.scale_to_context,
         sessions=args.sessions,
+        resume_after_s=args.resume_after,
     )
 
 
