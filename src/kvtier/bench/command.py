@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     base["compression"] = compression
     results = []
     for name in names:
-        results.append(_run_policy(args, name, base, tiers, policy_config, requests))
+        check = not results  # the first engine checks that the workload fits (bench/fit.py)
+        results.append(_run_policy(args, name, base, tiers, policy_config, requests, check))
     runs = [r.run for r in results]
 
     from kvtier.results.report import markdown, to_document, write_html, write_results
@@ -182,11 +183,24 @@ def run(args: argparse.Namespace) -> int:
             f"({r.skipped_s:,.0f} s idle skipped)"
         )
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
+    _warn_without_resumed(runs, args.resume_after)
     return 0
 
 
-def _run_policy(args, name, base, tiers, policy_config, requests):
+def _warn_without_resumed(runs: list[Any], resume_after_s: float) -> None:
+    """Resumed turns are where policies differ; a replay without any compares nothing."""
+    without = [run.policy for run in runs if all(r.turn_kind != "resumed" for r in run.requests)]
+    if without:
+        print(
+            f"warning: no resumed turns in the replay of {', '.join(without)}: no session came "
+            f"back after more than {resume_after_s:g} s, so no turn needed the paused KV the "
+            "policies decide about (replay more sessions, or pick them with --sessions N)"
+        )
+
+
+def _run_policy(args, name, base, tiers, policy_config, requests, check_fit):
     from kvtier.bench import engines
+    from kvtier.bench.fit import check_fits
     from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
 
     arrivals = next_arrivals(requests)
@@ -196,6 +210,8 @@ def _run_policy(args, name, base, tiers, policy_config, requests):
     clock = BenchClock()
     engine = Engine(config, clock=clock)
     try:
+        if check_fit:
+            check_fits(engine, requests, args.max_output_tokens)
         warm_up(engine)
         clock.restart()
         with _progress(name, len(requests), args.no_progress) as advance:
