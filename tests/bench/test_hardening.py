@@ -174,7 +174,10 @@ def test_the_sample_trace_is_bundled_and_found_by_name(tmp_path, monkeypatch, ca
 
 
 def _readme_commands(command: str) -> list[list[str]]:
-    lines = [line.split("#")[0].strip() for line in README.read_text().splitlines()]
+    """The arguments of every `kvtier COMMAND ...` line of the README (continuations joined,
+    comments dropped)."""
+    text = README.read_text().replace("\\\n", " ")
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
     return [shlex.split(line)[2:] for line in lines if line.startswith(f"kvtier {command} ")]
 
 
