@@ -229,6 +229,15 @@ def test_plots_drop_tiers_that_moved_nothing_and_label_time_in_ms(tmp_path):
     assert {p.name for p in paths} >= {"ttft_cdf.png", "bytes_moved.png", "tier_occupancy.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
 
+    # a run with no resumed turn and no tier traffic still gets every figure
+    quiet = hand_run("retain")
+    quiet.tiers = {}
+    quiet.requests = [r for r in quiet.requests if r.turn_kind != "resumed"]
+    document = to_document("bench", {}, [quiet])
+    summaries = {run["policy"]: run["summary"] for run in document["runs"]}
+    assert moved_tiers(summaries) == []
+    assert len(write_plots([quiet], document, tmp_path / "quiet")) == len(paths)
+
     fig, ax = plt.subplots()
     ax.plot([0.004, 0.03, 0.4, 2.5], [0.1, 0.4, 0.8, 1.0])
     log_time_axis(ax)

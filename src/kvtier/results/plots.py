@@ -106,8 +106,10 @@ def _resumed_by_source(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> 
         for source in RESTORE_SOURCES
         if any(s["ttft_resumed_by_source"][source]["count"] for s in summaries.values())
     ]
+    ax.set_title("Resumed turns: TTFT by where their history came from")
     if not sources:
-        ax.text(0.5, 0.5, "no resumed turns", ha="center", va="center")
+        _nothing(ax, "no resumed turns")
+        return
     width = 0.8 / max(len(summaries), 1)
     x = np.arange(len(sources))
     for i, (policy, s) in enumerate(summaries.items()):
@@ -120,9 +122,14 @@ def _resumed_by_source(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> 
         ax.scatter(x[seen] + i * width, p99, color=colour, marker="o", s=12)
     ax.set_xticks(x + width * (len(summaries) - 1) / 2, sources)
     ax.set_ylabel("resumed-turn TTFT (s)")
-    ax.set_title("Resumed turns: TTFT by where their history came from")
-    if sources:
-        ax.legend(fontsize="small")
+    ax.legend(fontsize="small")
+
+
+def _nothing(ax: Axes, message: str) -> None:
+    """An empty panel that says why, rather than bare axes."""
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _itl_p99(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
@@ -140,8 +147,10 @@ def _itl_p99(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
 
 def _bytes_moved(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
     tiers = moved_tiers(summaries)
+    ax.set_title("Bytes moved per tier")
     if not tiers:
-        ax.text(0.5, 0.5, "no tier moved any bytes", ha="center", va="center")
+        _nothing(ax, "no tier moved any bytes")
+        return
     labels = [f"{tier} {way}" for tier in tiers for way in ("read", "written")]
     width = 0.8 / max(len(summaries), 1)
     x = np.arange(len(labels))
@@ -150,9 +159,7 @@ def _bytes_moved(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
         ax.bar(x + i * width, values, width, label=policy)
     ax.set_xticks(x + width * (len(summaries) - 1) / 2, labels)
     ax.set_ylabel("GB")
-    ax.set_title("Bytes moved per tier")
-    if tiers:
-        ax.legend(fontsize="small")
+    ax.legend(fontsize="small")
 
 
 def moved_tiers(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
