@@ -61,14 +61,14 @@ def write_plots(
 
 def log_time_axis(ax: Axes) -> None:
     """Make the x axis (seconds, already drawn) log-scaled with labels such as "5 ms", "200 ms",
-    "3 s": decades only when the data spans many, 1-2-5 steps when it spans few, so labels
-    never overlap."""
+    "3 s": decades only when the data spans many, finer steps when it spans few, so there are
+    always a few labels and they never overlap."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
     low, high = ax.get_xlim()  # the data's limits on the log axis
     decades = np.log10(high / low) if low > 0 else 10.0
-    subs = (1.0, 2.0, 5.0) if decades <= 3 else (1.0,)
+    subs = (1.0,) if decades > 3 else (1.0, 2.0, 5.0) if decades > 1 else (1, 1.5, 2, 3, 5, 7)
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _seconds(value)))
     ax.xaxis.set_minor_formatter(NullFormatter())
