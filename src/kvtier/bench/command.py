@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.workload.flags import add_workload_arguments
 
 if TYPE_CHECKING:
+    from kvtier.results.records import RunRecords
     from kvtier.workload.model import Workload
 
 DEFAULT_POLICIES = "retain,recompute,offload,cost,oracle"
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warn_without_resumed(runs: list[Any], resume_after_s: float) -> None:
+def _warn_without_resumed(runs: Sequence[RunRecords], resume_after_s: float) -> None:
     """Resumed turns are where policies differ; a replay without any compares nothing."""
     without = [run.policy for run in runs if all(r.turn_kind != "resumed" for r in run.requests)]
     if without:
