@@ -30,7 +30,8 @@ def test_demo_preset_is_what_bench_quick_replays():
     workload = load_workload("demo", seed=0)
     assert len(workload.sessions) == 10
     assert all(len(s.turns) <= 4 for s in workload.sessions)
-    assert load_workload("demo", seed=0, sessions=4).sessions == workload.sessions[:4]
+    kept = load_workload("demo", seed=0, sessions=4).sessions  # which 4: tests/bench
+    assert len(kept) == 4 and all(session in workload.sessions for session in kept)
 
 
 def test_trace_files_and_errors(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.analyze.metrics import Analysis
+from kvtier.results.plots import log_time_axis
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -48,8 +49,8 @@ def _gaps_cdf(a: Analysis, ax: Axes) -> None:
     if len(gaps):
         ax.step(gaps, [(i + 1) / len(gaps) for i in range(len(gaps))], where="post")
     ax.axvline(a.resume_after_s, color="tab:red", linestyle="--", label="resume threshold")
-    ax.set_xscale("log")
-    ax.set_xlabel("idle gap before a returning turn (s, log)")
+    log_time_axis(ax)
+    ax.set_xlabel("idle gap before a returning turn (log scale)")
     ax.set_ylabel("share of returning turns")
     ax.set_ylim(0, 1)
     ax.set_title(f"Gap CDF ({len(gaps):,} returning turns)")

@@ -6,9 +6,9 @@ results.json (schema kvtier.results/1, the same files `kvtier simulate` writes),
 requests-<policy>.jsonl, report.md and, unless --no-plots, report.html with PNG plots.
 
 Examples:
-  kvtier bench --quick                                  # ~3.5 min on 2 CPU cores
+  kvtier bench --quick                                  # a few minutes on 2 CPU cores
   kvtier bench --workload quick --policies retain,cost --kv-cache-bytes 64MiB
-  kvtier bench --workload trace.jsonl --trace-format mooncake --scale-to 2048 --sessions 20
+  kvtier bench --workload sample --scale-to-context 2048 --sessions 20
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from kvtier.errors import KvtierError
 from kvtier.workload.flags import add_workload_arguments
 
 if TYPE_CHECKING:
+    from kvtier.results.records import RunRecords
     from kvtier.workload.model import Workload
 
 DEFAULT_POLICIES = "retain,recompute,offload,cost,oracle"
@@ -42,12 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     work = add_workload_arguments(parser, default="quick")
     work.add_argument(
-        "--scale-to",
+        "--scale-to-context",
         type=int,
         metavar="TOKENS",
-        help="shrink every length so the longest prompt + answer fits TOKENS (traces)",
+        help="shrink every length so the longest prompt + answer fits TOKENS",
     )
-    work.add_argument("--sessions", type=int, metavar="N", help="replay only the first N sessions")
+    work.add_argument("--scale-to", dest="scale_to_context", type=int, help=argparse.SUPPRESS)
+    work.add_argument(
+        "--sessions",
+        type=int,
+        metavar="N",
+        help="replay N sessions, those with resumed turns first (docs/bench.md)",
+    )
     pol = parser.add_argument_group("policies")
     pol.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"comma-separated ({DEFAULT_POLICIES})"
@@ -80,12 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
-    eng.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
+    eng.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="tokens per step (512)"
+    )
+    eng.add_argument(
+        "--max-batched-tokens", dest="max_num_batched_tokens", type=int, help=argparse.SUPPRESS
+    )
     eng.add_argument(
         "--threads",
         type=int,
         help="torch threads (default: all cores; 1 with --quick, see docs/bench.md)",
     )
+    eng.add_argument("--num-threads", dest="threads", type=int, help=argparse.SUPPRESS)
     eng.add_argument(
         "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
     )
@@ -121,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "kv_cache_bytes": kv_bytes,
         "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         # --quick runs on 1 thread: a 2-thread OpenMP pool stalls whenever anything else
         # needs a core (measured 10x slower prefills), one thread keeps the demo's time bounded.
         "num_threads": 1 if args.quick and args.threads is None else args.threads,
@@ -132,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     base["compression"] = compression
     results = []
     for name in names:
-        results.append(_run_policy(args, name, base, tiers, policy_config, requests))
+        check = not results  # the first engine checks that the workload fits (bench/fit.py)
+        results.append(_run_policy(args, name, base, tiers, policy_config, requests, check))
     runs = [r.run for r in results]
 
     from kvtier.results.report import markdown, to_document, write_html, write_results
@@ -170,11 +185,24 @@ def run(args: argparse.Namespace) -> int:
             f"({r.skipped_s:,.0f} s idle skipped)"
         )
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
+    _warn_without_resumed(runs, args.resume_after)
     return 0
 
 
-def _run_policy(args, name, base, tiers, policy_config, requests):
+def _warn_without_resumed(runs: Sequence[RunRecords], resume_after_s: float) -> None:
+    """Resumed turns are where policies differ; a replay without any compares nothing."""
+    without = [run.policy for run in runs if all(r.turn_kind != "resumed" for r in run.requests)]
+    if without:
+        print(
+            f"warning: no resumed turns in the replay of {', '.join(without)}: no session came "
+            f"back after more than {resume_after_s:g} s, so no turn needed the paused KV the "
+            "policies decide about (replay more sessions, or pick them with --sessions N)"
+        )
+
+
+def _run_policy(args, name, base, tiers, policy_config, requests, check_fit):
     from kvtier.bench import engines
+    from kvtier.bench.fit import check_fits
     from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
 
     arrivals = next_arrivals(requests)
@@ -184,6 +212,8 @@ def _run_policy(args, name, base, tiers, policy_config, requests):
     clock = BenchClock()
     engine = Engine(config, clock=clock)
     try:
+        if check_fit:
+            check_fits(engine, requests, args.max_output_tokens)
         warm_up(engine)
         clock.restart()
         with _progress(name, len(requests), args.no_progress) as advance:
@@ -245,8 +275,9 @@ def load_workload(args: argparse.Namespace) -> Workload:
         settings=args.workload_set,
         trace_format=args.trace_format,
         seed=args.seed,
-        scale_to=args.scale_to,
+        scale_to=args.scale_to_context,
         sessions=args.sessions,
+        resume_after_s=args.resume_after,
     )
 
 

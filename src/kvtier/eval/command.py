@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"({DEFAULT_OUT})")
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--num-threads", dest="threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--max-batch-tokens",
         type=int,

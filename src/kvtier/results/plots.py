@@ -44,15 +44,40 @@ def write_plots(
         fig.tight_layout()
         written.append(_save(fig, out / name))
         plt.close(fig)
-    tiers = [t for t in ("device", *STORE_TIERS) if any(_has_tier(r, t) for r in runs)]
+    tiers = [t for t in ("device", *STORE_TIERS) if any(_holds(r, t) for r in runs)]
     if tiers:
-        fig, axes = plt.subplots(len(tiers), 1, figsize=(7, 2.2 * len(tiers) + 0.8), dpi=110)
+        fig, axes = plt.subplots(
+            len(tiers), 1, figsize=(8, 2.2 * len(tiers) + 0.8), dpi=110, layout="constrained"
+        )
         for ax, tier in zip(np.atleast_1d(axes), tiers, strict=True):
             _occupancy(runs, tier, ax)
-        fig.tight_layout()
+        # one legend beside the panels, where no line runs
+        handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside right upper", fontsize="small")
         written.append(_save(fig, out / "tier_occupancy.png"))
         plt.close(fig)
     return written
+
+
+def log_time_axis(ax: Axes) -> None:
+    """Make the x axis (seconds, already drawn) log-scaled with labels such as "5 ms", "200 ms",
+    "3 s": decades only when the data spans many, finer steps when it spans few, so there are
+    always a few labels and they never overlap."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    low, high = ax.get_xlim()  # the data's limits on the log axis
+    decades = np.log10(high / low) if low > 0 else 10.0
+    subs = (1.0,) if decades > 3 else (1.0, 2.0, 5.0) if decades > 1 else (1, 1.5, 2, 3, 5, 7)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _seconds(value)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _seconds(value: float) -> str:
+    if value < 1:
+        return f"{value * 1000:,.3g} ms"
+    return f"{value:,.3g} s" if value < 1000 else f"{value:,.0f} s"
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -66,8 +91,8 @@ def _ttft_cdf(runs: Sequence[RunRecords], ax: Axes) -> None:
         if len(ttft):
             share = np.arange(1, len(ttft) + 1) / len(ttft)
             ax.step(ttft.clip(min=_MIN_TTFT_S), share, where="post", label=run.policy)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (s, log)")
+    log_time_axis(ax)
+    ax.set_xlabel("time to first token (log scale)")
     ax.set_ylabel("share of requests")
     ax.set_ylim(0, 1)
     ax.set_title("TTFT CDF per policy")
@@ -75,20 +100,36 @@ def _ttft_cdf(runs: Sequence[RunRecords], ax: Axes) -> None:
 
 
 def _resumed_by_source(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
+    # only the sources some policy's resumed turns came from: no empty disk/remote groups
+    sources = [
+        source
+        for source in RESTORE_SOURCES
+        if any(s["ttft_resumed_by_source"][source]["count"] for s in summaries.values())
+    ]
+    ax.set_title("Resumed turns: TTFT by where their history came from")
+    if not sources:
+        _nothing(ax, "no resumed turns")
+        return
     width = 0.8 / max(len(summaries), 1)
-    x = np.arange(len(RESTORE_SOURCES))
+    x = np.arange(len(sources))
     for i, (policy, s) in enumerate(summaries.items()):
-        groups = [s["ttft_resumed_by_source"][source] for source in RESTORE_SOURCES]
+        groups = [s["ttft_resumed_by_source"][source] for source in sources]
         median = [g.get("median_ms", 0.0) / 1000 for g in groups]
         bars = ax.bar(x + i * width, median, width, label=f"{policy} (p50; dot p99)")
         seen = [k for k, g in enumerate(groups) if g["count"]]
         p99 = [groups[k]["p99_ms"] / 1000 for k in seen]
         colour = bars.patches[0].get_facecolor()
         ax.scatter(x[seen] + i * width, p99, color=colour, marker="o", s=12)
-    ax.set_xticks(x + width * (len(summaries) - 1) / 2, RESTORE_SOURCES)
+    ax.set_xticks(x + width * (len(summaries) - 1) / 2, sources)
     ax.set_ylabel("resumed-turn TTFT (s)")
-    ax.set_title("Resumed turns: TTFT by where their history came from")
     ax.legend(fontsize="small")
+
+
+def _nothing(ax: Axes, message: str) -> None:
+    """An empty panel that says why, rather than bare axes."""
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _itl_p99(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
@@ -105,24 +146,38 @@ def _itl_p99(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
 
 
 def _bytes_moved(summaries: Mapping[str, Mapping[str, Any]], ax: Axes) -> None:
-    labels = [f"{tier} {way}" for tier in STORE_TIERS for way in ("read", "written")]
+    tiers = moved_tiers(summaries)
+    ax.set_title("Bytes moved per tier")
+    if not tiers:
+        _nothing(ax, "no tier moved any bytes")
+        return
+    labels = [f"{tier} {way}" for tier in tiers for way in ("read", "written")]
     width = 0.8 / max(len(summaries), 1)
     x = np.arange(len(labels))
     for i, (policy, s) in enumerate(summaries.items()):
-        values = [
-            s["tier_bytes"].get(tier, {}).get(f"bytes_{way}", 0) / _GB
-            for tier in STORE_TIERS
-            for way in ("read", "written")
-        ]
+        values = [_moved(s, tier, way) / _GB for tier in tiers for way in ("read", "written")]
         ax.bar(x + i * width, values, width, label=policy)
-    ax.set_xticks(x + width * (len(summaries) - 1) / 2, labels, rotation=30)
+    ax.set_xticks(x + width * (len(summaries) - 1) / 2, labels)
     ax.set_ylabel("GB")
-    ax.set_title("Bytes moved per tier")
     ax.legend(fontsize="small")
 
 
-def _has_tier(run: RunRecords, tier: str) -> bool:
-    return any(tier in sample.used_bytes for sample in run.occupancy)
+def moved_tiers(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The tiers below the device that any policy read from or wrote to: a tier that moved
+    nothing in every run (not configured, or never used) would only be an empty column."""
+    return [
+        tier
+        for tier in STORE_TIERS
+        if any(_moved(s, tier, way) for s in summaries.values() for way in ("read", "written"))
+    ]
+
+
+def _moved(summary: Mapping[str, Any], tier: str, way: str) -> int:
+    return summary["tier_bytes"].get(tier, {}).get(f"bytes_{way}", 0)
+
+
+def _holds(run: RunRecords, tier: str) -> bool:
+    return any(sample.used_bytes.get(tier, 0) for sample in run.occupancy)
 
 
 def _occupancy(runs: Sequence[RunRecords], tier: str, ax: Axes) -> None:
@@ -134,6 +189,5 @@ def _occupancy(runs: Sequence[RunRecords], tier: str, ax: Axes) -> None:
     if capacity:
         ax.axhline(capacity / _GB, color="black", linestyle=":", linewidth=1)
     ax.set_ylabel(f"{tier} GB")
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel("trace time (s)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="x-small", loc="upper right")

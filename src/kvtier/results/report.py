@@ -94,6 +94,8 @@ def read_results(path: str | Path) -> dict[str, Any]:
 def tables(document: Mapping[str, Any]) -> list[Table]:
     """The comparison of all policies, then one breakdown per policy."""
     runs = document["runs"]
+    # tiers no run had (not configured) would be columns of "-"
+    tiers = [t for t in STORE_TIERS if any(t in run["summary"]["tier_bytes"] for run in runs)]
     header = [
         "policy",
         "done/failed",
@@ -105,7 +107,7 @@ def tables(document: Mapping[str, Any]) -> list[Table]:
         "stall p99 ms",
         "resumed TTFT p50/p99 ms",
         "recomputed tok",
-        *(f"{tier} read/written" for tier in STORE_TIERS),
+        *(f"{tier} read/written" for tier in tiers),
     ]
     rows = []
     for run in runs:
@@ -123,13 +125,33 @@ def tables(document: Mapping[str, Any]) -> list[Table]:
                 _ms(s["p99_stall_ms"]),
                 f"{_ms(resumed.get('median_ms'))} / {_ms(resumed.get('p99_ms'))}",
                 f"{s['tokens_recomputed']:,}",
-                *(_traffic(s["tier_bytes"].get(tier)) for tier in STORE_TIERS),
+                *(_traffic(s["tier_bytes"].get(tier)) for tier in tiers),
             ]
         )
     out: list[Table] = [("Policies", header, rows)]
+    failures = _failures(runs)
+    if failures is not None:
+        out.append(failures)
     for run in runs:
         out.append(_breakdown(run["policy"], run["summary"]))
     return out
+
+
+def _failures(runs: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Why requests failed, per policy (None: none failed). A failed count alone ("19/10")
+    does not say whether the policy or the set-up is to blame."""
+    rows = [
+        [run["policy"], f"{group['count']:,}", " ".join(group["example"].split())]
+        for run in runs
+        for group in run["summary"].get("failed_by_reason", {}).values()
+    ]
+    if not rows:
+        return None
+    return (
+        "Failed requests by reason",
+        ["policy", "failed", "error (the first of its kind)"],
+        rows,
+    )
 
 
 def markdown(document: Mapping[str, Any]) -> str:

@@ -20,12 +20,15 @@ kvtier's own (same requests):
   requests with at least one gap (p99 stall is what a user notices as a freeze);
 - `tokens_recomputed`, `restored_tokens` per source, `hit_rate` per source (share of history
   tokens each source supplied; `recomputed` is the miss rate);
-- `tier_bytes` (the run's TierTraffic per tier) and `policy_decisions` (kind -> tier -> count).
+- `tier_bytes` (the run's TierTraffic per tier) and `policy_decisions` (kind -> tier -> count);
+- `failed_by_reason`: the failed requests grouped by their error with its numbers blanked
+  ("prompt has # tokens, ..."), each `{count, example}` (the first such error in full).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +45,7 @@ from kvtier.results.records import (
 PERCENTILES = (90, 99)
 _MS = 1000.0
 _FIRST_BIN_TOKENS = 1024  # resume-latency bins: [0, 1K), [1K, 2K), [2K, 4K), ...
+_NUMBER = re.compile(r"\b\d[\d,.]*\b")  # whole numbers only: "bf16" keeps its digits
 
 
 def summarize(records: RunRecords, duration: float | None = None) -> dict[str, Any]:
@@ -89,7 +93,20 @@ def summarize(records: RunRecords, duration: float | None = None) -> dict[str, A
     summary["hit_rate"] = {s: n / history if history else 0.0 for s, n in restored.items()}
     summary["tier_bytes"] = {tier: t.to_dict() for tier, t in records.tiers.items()}
     summary["policy_decisions"] = records.decisions
+    summary["failed_by_reason"] = failed_by_reason(records.requests)
     return summary
+
+
+def failed_by_reason(requests: Iterable[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Failed requests per kind of error, most frequent first: the same error about different
+    lengths ("prompt has 3,012 tokens" / "2,990 tokens") is one kind."""
+    groups: dict[str, dict[str, Any]] = {}
+    for r in requests:
+        if r.failed:
+            error = r.error or "no error given"
+            group = groups.setdefault(_NUMBER.sub("#", error), {"count": 0, "example": error})
+            group["count"] += 1
+    return dict(sorted(groups.items(), key=lambda item: -item[1]["count"]))
 
 
 def _rate(count: float, duration: float) -> float:

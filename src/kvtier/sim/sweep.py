@@ -218,9 +218,10 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(
         len(grid["hardware"]),
         len(shown),
-        figsize=(4.2 * len(shown), 3.2 * len(grid["hardware"]) + 0.6),
+        figsize=(4.2 * len(shown) + 1.2, 3.2 * len(grid["hardware"]) + 0.6),
         dpi=110,
         squeeze=False,
+        layout="constrained",
     )
     by_cell = {(w["hardware"], w["resume_share"], w["context"]): w for w in sweep["winners"]}
     for row, hardware in enumerate(grid["hardware"]):
@@ -228,7 +229,9 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
             ax = axes[row][col]
             best = [[by_cell[hardware, s, c][field] for c in contexts] for s in shares]
             codes = [[_colour(b["policy"], policies) for b in line] for line in best]
-            ax.imshow(codes, cmap=colours, vmin=-0.5, vmax=len(policies) + 0.5, origin="lower")
+            image = ax.imshow(
+                codes, cmap=colours, vmin=-0.5, vmax=len(policies) + 0.5, origin="lower"
+            )
             for i, line in enumerate(best):
                 for j, b in enumerate(line):
                     names = b["policy"].split("=")
@@ -241,7 +244,10 @@ def heatmap(sweep: Mapping[str, Any], path: Path) -> Path:
             ax.set_xlabel("context tokens")
             ax.set_ylabel("resume share")
             ax.set_title(f"{hardware}: {label}")
-    fig.tight_layout()
+    # which colour is which policy: one colour bar for all panels
+    bar = fig.colorbar(image, ax=axes, ticks=range(len(policies) + 1), shrink=0.8)
+    bar.ax.set_yticklabels([*policies, "tie"])
+    bar.set_label("best policy")
     fig.savefig(path)
     plt.close(fig)
     return path

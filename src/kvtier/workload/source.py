@@ -1,14 +1,13 @@
 """One way for every command (`bench`, `simulate`, `analyze`) to turn `--workload SPEC` into a
 Workload: SPEC is a generator preset (`kvtier.workload.presets`, with `KEY=VALUE` settings
-on top) or a trace file (`kvtier.workload.traces`). Keeping it in one place is what makes
-`kvtier simulate --workload demo` the very workload `kvtier bench --workload demo` replays."""
+on top), a trace file, or a trace bundled with kvtier by name (`kvtier.workload.traces`).
+Keeping it in one place is what makes `kvtier simulate --workload demo` the very workload
+`kvtier bench --workload demo` replays."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
@@ -51,30 +50,32 @@ def load_workload(
     seed: int = 0,
     scale_to: int | None = None,
     sessions: int | None = None,
+    resume_after_s: float = 30.0,
 ) -> Workload:
-    """The workload SPEC names; `scale_to` fits lengths to that context, `sessions` keeps the
-    first N sessions."""
-    if sessions is not None and sessions < 1:
-        raise KvtierError(f"--sessions must be at least 1, not {sessions}")
+    """The workload SPEC names; `sessions` keeps N sessions, those with turns resumed after
+    `resume_after_s` first (`workload.subset`), then `scale_to` fits the kept lengths to that
+    context."""
     if spec in PRESETS:
         from kvtier.workload.generator import generate
 
         workload = generate(preset_with_settings(spec, settings), seed=seed)
-        if scale_to:
-            from kvtier.workload.scale import scale_to_context
-
-            workload = scale_to_context(workload, scale_to)
     else:
-        from kvtier.workload.traces import load_trace
+        from kvtier.workload.traces import bundled_trace_names, load_trace, trace_path
 
         if settings:
             raise KvtierError("--workload-set changes generator presets, not trace files")
-        if not Path(spec).is_file():
+        if not trace_path(spec).is_file():
             raise KvtierError(
-                f"--workload {spec!r} is neither a preset ({', '.join(PRESET_NAMES)}) "
-                "nor an existing trace file"
+                f"--workload {spec!r} is neither a preset ({', '.join(PRESET_NAMES)}), "
+                f"a bundled trace ({', '.join(bundled_trace_names())}) nor an existing trace file"
             )
-        workload = load_trace(spec, trace_format, scale_to=scale_to, seed=seed)
+        workload = load_trace(spec, trace_format, seed=seed)
     if sessions is not None:
-        workload = replace(workload, sessions=workload.sessions[:sessions])
+        from kvtier.workload.subset import keep_sessions
+
+        workload = keep_sessions(workload, sessions, resume_after_s)
+    if scale_to is not None:
+        from kvtier.workload.scale import scale_to_context
+
+        workload = scale_to_context(workload, scale_to)
     return workload

@@ -6,11 +6,15 @@
   each); sessions follow the parent chain
 - `sharegpt`: a JSON array (or lines) of conversations: id, messages or conversations; one
   session each, times drawn by the generator's model
+
+A trace shipped in `kvtier/data/traces/` is also reachable by its name (`sample`: the first
+minutes of Mooncake's conversation trace), wherever kvtier is installed.
 """
 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 from kvtier.errors import KvtierError
@@ -25,6 +29,22 @@ from kvtier.workload.text import LengthFn, approx_tokens
 
 FORMATS = ("mooncake", "bailian", "sharegpt")
 _PEEK_LINES = 20  # a few bad lines at the top should not hide the format
+
+
+def bundled_trace_names() -> list[str]:
+    folder = resources.files("kvtier") / "data" / "traces"
+    return sorted(
+        p.name.removesuffix(".jsonl") for p in folder.iterdir() if p.name.endswith(".jsonl")
+    )
+
+
+def trace_path(spec: str | Path) -> Path:
+    """`spec` as a path; a bundled trace's file when no such file exists and `spec` is a
+    bundled name."""
+    path = Path(spec)
+    if path.exists() or str(spec) not in bundled_trace_names():
+        return path
+    return Path(str(resources.files("kvtier") / "data" / "traces" / f"{spec}.jsonl"))
 
 
 def detect_format(path: str | Path) -> str:
@@ -65,6 +85,7 @@ def load_trace(
 ) -> Workload:
     """Read a trace. `scale_to` shrinks lengths to fit that context (see `scale.py`);
     `config`, `seed` and `length` only matter for sharegpt (timing model, token counts)."""
+    path = trace_path(path)
     if trace_format == "auto":
         trace_format = detect_format(path)
     if trace_format == "mooncake":
