@@ -127,6 +127,10 @@ class Sampler:
 def _sample_row(
     logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
+    if p.top_k == 1:
+        # Top-1 is greedy; the threshold mask below would keep every token tied for first
+        # (bf16 logits tie often) and draw between them at random.
+        return logits.argmax()
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
