@@ -11,6 +11,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
+from kvtier.workload.flags import add_hidden_alias
 
 if TYPE_CHECKING:
     import uvicorn
@@ -43,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default all)")
+    threads = parser.add_argument(
+        "--threads", dest="num_threads", type=int, default=None, help="torch threads (default all)"
+    )
+    add_hidden_alias(parser, threads, "--num-threads")  # the spelling serve used before
     parser.add_argument(
         "--tenant",
         action="append",
