@@ -196,7 +196,9 @@ def _start(command: str, out_dir: Path) -> tuple[subprocess.Popen[str], int]:
     argv = _argv(shlex.split(command), out_dir, port)
     if "--port" not in argv:
         argv += ["--port", str(port)]
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # A file, not a pipe: nobody reads a pipe while the server runs, and a full one blocks it.
+    log = (out_dir / f"serve-{port}.log").open("w")
+    process = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if process.poll() is not None:
