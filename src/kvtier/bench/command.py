@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.workload.flags import add_workload_arguments
+from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
 
 if TYPE_CHECKING:
     from kvtier.results.records import RunRecords
@@ -43,13 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the demo workload (preset `demo`: 10 sessions, short answers), 1 thread",
     )
     work = add_workload_arguments(parser, default="quick")
-    work.add_argument(
+    scale = work.add_argument(
         "--scale-to-context",
         type=int,
         metavar="TOKENS",
         help="shrink every length so the longest prompt + answer fits TOKENS",
     )
-    work.add_argument("--scale-to", dest="scale_to_context", type=int, help=argparse.SUPPRESS)
+    add_hidden_alias(work, scale, "--scale-to")
     work.add_argument(
         "--sessions",
         type=int,
@@ -88,18 +88,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
-    eng.add_argument(
+    batched = eng.add_argument(
         "--max-num-batched-tokens", type=int, default=512, help="tokens per step (512)"
     )
-    eng.add_argument(
-        "--max-batched-tokens", dest="max_num_batched_tokens", type=int, help=argparse.SUPPRESS
-    )
-    eng.add_argument(
+    add_hidden_alias(eng, batched, "--max-batched-tokens")
+    threads = eng.add_argument(
         "--threads",
         type=int,
         help="torch threads (default: all cores; 1 with --quick, see docs/bench.md)",
     )
-    eng.add_argument("--num-threads", dest="threads", type=int, help=argparse.SUPPRESS)
+    add_hidden_alias(eng, threads, "--num-threads")
     eng.add_argument(
         "--resume-after", type=float, default=30.0, help="gap (s) that makes a turn resumed"
     )

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from kvtier.errors import KvtierError
+from kvtier.workload.flags import add_hidden_alias
 
 DEFAULT_OUT = "out/eval"
 DEFAULT_METHODS = "snapkv,streaming_llm,tova,knorm,h2o"
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="task generator seed (default 0)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"({DEFAULT_OUT})")
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
-    parser.add_argument("--num-threads", dest="threads", type=int, help=argparse.SUPPRESS)
+    threads = parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    add_hidden_alias(parser, threads, "--num-threads")
     parser.add_argument(
         "--max-batch-tokens",
         type=int,
