@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvtier.bench.replay import common_prefix
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.eval.haystack import filler, prose_sentences
 from kvtier.policy.actions import Move

@@ -30,7 +30,7 @@ from pathlib import Path
 from resume import ids, timed  # the sibling benchmark's helpers (run from benchmarks/)
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move

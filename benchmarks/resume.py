@@ -42,8 +42,8 @@ from pathlib import Path
 from local_redis import start_redis
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
 from kvtier.cache.forms import ChunkForms
+from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move

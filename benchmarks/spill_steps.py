@@ -28,7 +28,7 @@ from pathlib import Path
 import overflow_sessions as overflow
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine
 
 MIB = 1 << 20

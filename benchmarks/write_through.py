@@ -28,8 +28,7 @@ from collections.abc import Callable
 
 import overflow_sessions as overflow
 
-from kvtier.cache import TiersConfig
-from kvtier.cache.connector import TieredConnector, attach_connector
+from kvtier.cache import TieredConnector, TiersConfig, attach_connector
 from kvtier.engine import Engine
 from kvtier.engine.hooks import BlockEventListener
 from kvtier.policy.config import PolicyConfig

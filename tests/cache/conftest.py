@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.clock import VirtualClock
 from kvtier.engine import Engine, EngineConfig
 

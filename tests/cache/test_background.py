@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 
 from .scenario import GREEDY, assert_no_leak, make_turns, run_first_and_flood, run_second
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.policy.config import OffloadSection, PolicyConfig
 
 from .scenario import GREEDY, assert_no_leak, drain, make_turns, run_second

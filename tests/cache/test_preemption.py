@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.engine import SamplingParams
 
 from .scenario import assert_no_leak, drain

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 
 from .scenario import assert_no_leak, make_turns, run_first_and_flood, run_second
 

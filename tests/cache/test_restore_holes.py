@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.policy.actions import Move
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostProfile, TierLink

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
 from kvtier.cache.forms import ChunkForms, lossiest
+from kvtier.cache.setup import attach_connector
 from kvtier.errors import KvtierError
 from kvtier.tiers import Chunk, DiskTier, HostTier, Payload, TieredStore
 
@@ -211,15 +211,6 @@ def test_unlisted_tiers_keep_the_form_above_them():
     config = TiersConfig(forms={"disk": "int8"})
     assert config.tier_forms() == {"host": "full", "disk": "int8", "remote": "int8"}
     assert TiersConfig().tier_forms() == {"host": "full", "disk": "full", "remote": "full"}
-
-
-def test_a_packed_device_pool_with_tiers_is_refused():
-    # A packed pool's blocks are quantized already (EngineConfig.kv_quant); the connector
-    # copies full-precision blocks, so the combination must fail at configuration time.
-    from kvtier.engine import EngineConfig
-
-    with pytest.raises(KvtierError, match="kv_quant with tiers"):
-        EngineConfig(kv_quant="int8", tiers=TiersConfig(forms={"disk": "int8"}))
 
 
 @pytest.mark.slow

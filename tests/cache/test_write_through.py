@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvtier.cache import TiersConfig
-from kvtier.cache.connector import attach_connector
+from kvtier.cache.setup import attach_connector
 from kvtier.policy.actions import Move
 from kvtier.tiers import Chunk
 

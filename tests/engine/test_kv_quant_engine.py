@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.cache.config import TiersConfig
 from kvtier.compress import parse_method
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.quant_pool import QuantizedKVPool
@@ -129,7 +128,5 @@ def test_a_kivi_press_on_a_packed_pool(int8):
 def test_unsupported_combinations_are_clear_errors(tmp_path):
     with pytest.raises(KvtierError, match="kv_quant must be"):
         EngineConfig(kv_quant="fp8")
-    with pytest.raises(KvtierError, match="not supported yet"):
-        EngineConfig(kv_quant="int4", tiers=TiersConfig(host_bytes=1 << 20))
     with pytest.raises(KvtierError, match="lower max_num_seqs"):
         QuantizedKVPool(30, 3, 64, 16, torch.float32, "cpu", 4 * MIB, "int4", staging_blocks=64)

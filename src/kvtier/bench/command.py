@@ -204,11 +204,8 @@ def _run_policy(args, name, base, tiers, policy_config, requests, check_fit):
     from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
 
     arrivals = next_arrivals(requests)
-    from kvtier.engine.engine import Engine
-
-    config = engines.engine_config(base, name, tiers, arrivals, policy_config)
     clock = BenchClock()
-    engine = Engine(config, clock=clock)
+    engine = engines.build(base, name, tiers, arrivals, policy_config, clock)
     try:
         if check_fit:
             check_fits(engine, requests, args.max_output_tokens)

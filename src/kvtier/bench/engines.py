@@ -9,7 +9,8 @@ from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
-    from kvtier.engine.config import EngineConfig
+    from kvtier.clock import Clock
+    from kvtier.engine.engine import Engine
 
 
 def validate_policies(names: Sequence[str]) -> None:
@@ -35,26 +36,27 @@ def tiers_config(
     )
 
 
-def engine_config(
+def build(
     base: Mapping[str, Any],
     policy: str,
     tiers: TiersConfig | None,
     arrivals: Mapping[str, Sequence[float]],
     policy_config: Any = None,
-) -> EngineConfig:
-    """The EngineConfig of one run. `oracle` needs the future, so the registry refuses to
-    build it from configuration: it is built here as `OraclePolicy(arrivals)` and handed to
-    the engine as a policy object (`arrivals` is updated in place as the replay learns the
-    real send times of closed-loop turns)."""
+    clock: Clock | None = None,
+) -> Engine:
+    """The engine of one run. `oracle` needs the future, so the registry refuses to build it
+    from configuration: it is built here as `OraclePolicy(arrivals)` and handed over as a
+    policy object (`arrivals` is updated in place as the replay learns the real send times of
+    closed-loop turns)."""
+    from kvtier.cache.setup import CacheConfig, build_engine
     from kvtier.engine.config import EngineConfig
 
-    values: dict[str, Any] = dict(base, tiers=tiers, policy=policy)
-    if policy_config is not None:
-        values["policy_config"] = policy_config
+    chosen: Any = policy
     if policy == "oracle":
         from kvtier.policy.oracle import OraclePolicy
 
         if tiers is None:
             raise KvtierError("the oracle policy needs tiers (give --host-bytes)")
-        values["policy"] = OraclePolicy(arrivals)
-    return EngineConfig(**values)
+        chosen = OraclePolicy(arrivals)
+    cache = None if tiers is None else CacheConfig(tiers, chosen, policy_config)
+    return build_engine(EngineConfig(**base), cache, clock)

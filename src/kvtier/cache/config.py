@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.errors import KvtierError
+from kvtier.tiers.factory import StorageConfig
+from kvtier.tiers.vocab import FORM_PRECISION, FULL, LOWER_TIERS
 
 if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
@@ -15,9 +17,7 @@ if TYPE_CHECKING:
 RestoreMode = Literal["load", "plan", "recompute"]
 Integrity = Literal["mac", "encrypt", "none"]
 
-TIER_NAMES = ("host", "disk", "remote")  # top first
-# The forms a tier can store chunks in (kvtier.cache.forms), most precise first.
-FORM_PRECISION = {"full": 2, "int8": 1, "int4": 0}
+TIER_NAMES = LOWER_TIERS  # top first
 
 
 @dataclass
@@ -77,7 +77,7 @@ class TiersConfig:
 
     def tier_forms(self) -> dict[str, str]:
         """The form of each of host, disk and remote, unlisted ones filled in."""
-        resolved, above = {}, "full"
+        resolved, above = {}, FULL
         for name in TIER_NAMES:
             above = resolved[name] = self.forms.get(name, above)
         return resolved
@@ -105,6 +105,22 @@ class TiersConfig:
             raise KvtierError("tiers: configure at least one of host, disk, redis")
         self._check_forms()
         self._check_integrity()
+
+    def storage(self, host_slot_bytes: int | None = None) -> StorageConfig:
+        """What `kvtier.tiers.factory.build_tiers` needs to build these tiers."""
+        return StorageConfig(
+            host_bytes=self.host_bytes,
+            host_slot_bytes=host_slot_bytes,
+            disk_dir=self.disk_dir,
+            disk_bytes=self.disk_bytes,
+            seal_disk=self.encrypt,
+            redis_url=self.redis_url,
+            redis_bytes=self.redis_bytes,
+            redis_prefix=self.redis_prefix,
+            redis_timeout_s=self.redis_timeout_s,
+            remote_integrity=self.remote_integrity(),
+            key=self.encrypt_key,
+        )
 
     def remote_integrity(self) -> Integrity:
         """How the remote tier protects its values (`integrity`, or the default it implies)."""

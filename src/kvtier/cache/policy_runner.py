@@ -40,6 +40,7 @@ from kvtier.policy.view import (
     TurnView,
 )
 from kvtier.tiers import Chunk
+from kvtier.tiers.vocab import DEVICE
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector
@@ -85,7 +86,7 @@ class PolicyRunner:
 
     @property
     def clock(self):
-        return self.connector.engine.sessions.clock
+        return self.connector.context.sessions.clock
 
     def remember_session(self, session_id: str, keys: tuple[bytes, ...], namespace: str) -> None:
         old = self.sessions.get(session_id)
@@ -110,13 +111,11 @@ class PolicyRunner:
             self.run("timer")
             return
         self._steps_since_pressure += 1
-        scheduler = self.connector.engine.scheduler
-        if scheduler.waiting and self._steps_since_pressure >= 8:
-            head = scheduler.waiting[0]
-            need = -(-head.num_tokens // self.connector.block_size)
-            if not self.connector.block_pool.free_block_ids or (
-                self.connector.block_pool.num_allocatable < need
-            ):
+        queue = self.connector.context.queue()
+        if queue.num_waiting and self._steps_since_pressure >= 8:
+            need = -(-queue.head_tokens // self.connector.block_size)
+            pool = self.connector.block_pool
+            if not pool.num_free or pool.num_allocatable < need:
                 self.run("pressure", need * self.connector.bytes_per_block)
 
     def run(self, reason: str = "timer", bytes_needed: int = 0) -> list[Action]:
@@ -158,8 +157,7 @@ class PolicyRunner:
 
     def view(self, reason: str = "timer", bytes_needed: int = 0) -> PolicyView:
         c = self.connector
-        engine = c.engine
-        tracker = engine.sessions
+        tracker = c.context.sessions
         self._forget_untracked(tracker.sessions)
         sessions = []
         for session_id, turns in tracker.sessions.items():
@@ -187,8 +185,8 @@ class PolicyRunner:
         pool = c.block_pool
         tiers = [
             TierView(
-                "device",
-                (pool.num_blocks - len(pool.free_block_ids)) * c.bytes_per_block,
+                DEVICE,
+                (pool.num_blocks - pool.num_free) * c.bytes_per_block,
                 pool.num_blocks * c.bytes_per_block,
             )
         ]
@@ -196,8 +194,8 @@ class PolicyRunner:
             TierView(name, tier.used_bytes, tier.capacity_bytes)
             for name, tier in c.store.tiers.items()
         ]
-        waiting = engine.scheduler.waiting
-        queue = QueueView(len(waiting), sum(r.num_tokens for r in waiting))
+        demand = c.context.queue()
+        queue = QueueView(demand.num_waiting, demand.num_tokens)
         return PolicyView(
             sessions=tuple(sessions),
             tiers=tuple(tiers),

@@ -31,6 +31,11 @@ class BlockPool:
         self.num_evictions = 0
 
     @property
+    def num_free(self) -> int:
+        """Blocks with no owner and no key (not counting evictable cached ones)."""
+        return len(self.free_block_ids)
+
+    @property
     def num_allocatable(self) -> int:
         return len(self.free_block_ids) + len(self.evictable)
 

@@ -10,10 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
-    from kvtier.cache.config import TiersConfig
     from kvtier.compress.config import CompressionConfig
-    from kvtier.policy.base import RetentionPolicy
-    from kvtier.policy.config import PolicyConfig
 
 Priority = Literal["decode_first", "prefill_first"]
 DType = Literal["bfloat16", "float32"]
@@ -46,13 +43,6 @@ class EngineConfig:
     num_threads: int | None = None  # None: all cores
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     session_resume_after_s: float = 30.0
-    # Tiered KV (kvtier.cache): None keeps every block on the device only. `policy` names the
-    # retention policy, or is a ready-built `RetentionPolicy` (one that cannot be built from
-    # configuration, such as the oracle, which needs the future); `policy_config`
-    # (kvtier.policy.config.PolicyConfig) overrides its settings (its `name` is replaced).
-    tiers: TiersConfig | None = None
-    policy: str | RetentionPolicy = "retain"
-    policy_config: PolicyConfig | None = None
     # KV compression (kvtier.compress): a pipeline of presses applied to each request once
     # its prompt is prefilled. None (or ratio 0 everywhere) leaves the KV untouched.
     compression: CompressionConfig | None = None
@@ -80,11 +70,6 @@ class EngineConfig:
                 f"kv_quant must be 'int8', 'int4', 'int2' or None, got {self.kv_quant!r}"
             )
         _require_positive_int("kv_quant_group", self.kv_quant_group)
-        if self.kv_quant is not None and self.tiers is not None:
-            raise KvtierError(
-                "kv_quant with tiers is not supported yet: the tiered connector copies "
-                "full-precision blocks; use kv_quant=None with tiers"
-            )
         if self.num_threads is not None:
             _require_positive_int("num_threads", self.num_threads)
         if self.max_model_len is not None:

@@ -29,6 +29,7 @@ from kvtier.compress.config import CompressionConfig
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.connector import EngineContext, KVConnector, QueueDemand
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.hashing import namespace_bytes
 from kvtier.engine.hooks import AttentionObserver, BlockEventListener
@@ -40,7 +41,7 @@ from kvtier.engine.quant_pool import QuantizedKVPool
 from kvtier.engine.request import FinishReason, Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sessions import SessionTracker
 from kvtier.engine.stream_loop import StepLoop
 from kvtier.errors import KvtierError
@@ -54,7 +55,12 @@ Params = SamplingParams | Mapping[str, Any] | None
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        clock: Clock | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.device = config.resolved_device()
         torch.set_num_threads(config.resolved_num_threads())
@@ -110,11 +116,48 @@ class Engine:
         self._kv_held: dict[str, tuple[int, int]] = {}
         self.compressor: Compressor | None = None
         self.set_compression(config.compression)
-        self.connector = None
-        if config.tiers is not None:
-            from kvtier.cache.connector import TieredConnector
+        self.connector: KVConnector | None = None
+        if connector is not None:
+            self.set_connector(connector)
 
-            self.connector = TieredConnector(self)
+    def set_connector(self, connector: KVConnector | None) -> None:
+        """Use `connector` (None: device only) from now on, closing the one before.
+
+        Only while no request is in flight. The prefix cache is reset first, so no device
+        block outlives the store it was copied to. Raises KvtierError when the connector
+        refuses this engine (`KVConnector.bind`)."""
+        with self._lock:
+            if self.scheduler.has_unfinished:
+                raise KvtierError("set_connector: wait until no request is in flight")
+            old = self.connector
+            if old is not None:
+                self.scheduler.connector = self.connector = None
+                self.remove_block_listener(old)
+                old.close()
+            self.block_pool.reset_prefix_cache()
+            if connector is None:
+                return
+            connector.bind(self._connector_context())
+            self.connector = self.scheduler.connector = connector
+            self.add_block_listener(connector)
+
+    def _connector_context(self) -> EngineContext:
+        def queue() -> QueueDemand:
+            waiting = self.scheduler.waiting
+            return QueueDemand(
+                len(waiting),
+                sum(r.num_tokens for r in waiting),
+                waiting[0].num_tokens if waiting else 0,
+            )
+
+        return EngineContext(
+            block_pool=self.block_pool,
+            kv_port=self.kv_pool,
+            block_size=self.config.block_size,
+            kv_quant=self.config.kv_quant,
+            sessions=self.sessions,
+            queue=queue,
+        )
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -254,6 +297,8 @@ class Engine:
         with self._lock:
             self.num_steps += 1
             sched = self.scheduler.schedule()
+            if self.connector is not None:
+                self._load_handed_over(sched)
             for request in sched.preempted:
                 request.prompt_logits.clear()  # recomputed after re-admission
                 self._forget_kv(request.request_id)  # recomputed and compressed again
@@ -273,6 +318,27 @@ class Engine:
             if self.connector is not None:
                 self.connector.after_step()
             return outputs
+
+    def _load_handed_over(self, sched: SchedulerOutput) -> None:
+        """Run the loads the scheduler handed the connector; a request whose load failed is
+        rolled back to its first unfilled block and computes from there (its scheduled
+        token count unchanged, so the step's budget holds): never wrong KV."""
+        self.connector.start_loads()
+        failed = self.connector.wait_for_loads()
+        if not failed:
+            return
+        admitted = {r.request_id for r in sched.admitted}
+        for request, _ in sched.scheduled:
+            first_bad = failed.get(request.request_id)
+            if first_bad is None:
+                continue
+            position = first_bad * self.config.block_size
+            if position >= request.num_computed_tokens:
+                continue
+            if request.request_id in admitted and request.num_cached_tokens > position:
+                self.kv_manager.prefix_hits -= request.num_cached_tokens - position
+                request.num_cached_tokens = position
+            request.num_computed_tokens = position
 
     def _forward_and_sample(
         self, scheduled: list[tuple[Request, int]], outputs: list[RequestOutput]
@@ -365,8 +431,6 @@ class Engine:
         if finished:
             del self._detokenizers[request.request_id]
             kv_tokens_held, kv_bytes_held = self._forget_kv(request.request_id)
-            if self.connector is not None:
-                self.connector.on_request_finished(request)
             if request.session_id is not None:
                 self.sessions.end_turn(request.request_id)
         return RequestOutput(

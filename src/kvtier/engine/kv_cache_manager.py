@@ -38,8 +38,9 @@ class KVCacheManager:
         compacted after evictions."""
         return position - self.num_evicted.get(request.request_id, 0)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks of the request's longest cached prefix (full blocks only).
+    def find_cached_prefix(self, request: Request, start_block: int = 0) -> list[int]:
+        """Blocks of the request's longest cached run of full blocks from `start_block` (0:
+        its cached prefix; later, where a recomputed run ends and its history goes on).
 
         The last token is never taken from the cache: the step must compute at least one
         position to produce the logits of the next token.
@@ -47,7 +48,7 @@ class KVCacheManager:
         if not self.block_pool.enable_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = request.keys_of_full_blocks(self.block_size)[:max_blocks]
+        keys = request.keys_of_full_blocks(self.block_size)[start_block:max_blocks]
         hits = []
         for key in keys:
             block_id = self.block_pool.lookup(key)
@@ -56,14 +57,29 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        """Give the request room for `num_new_tokens` more tokens after `cached` blocks.
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: Sequence[int] = (),
+        num_loaded_tokens: int = 0,
+    ) -> bool:
+        """Give the request room for `num_loaded_tokens` a connector will load, then
+        `num_new_tokens` to compute, after its table and the `cached` blocks appended to it.
 
+        `cached` and loaded tokens come only where the request's slots end on a block
+        boundary with no block allocated past them (admission, or a prefill stopped where
+        its stored history resumes). The loaded tokens' blocks are the first fresh ones
+        (`loaded_blocks`); like computed blocks they enter the prefix cache once a step has
+        counted them as computed (`register_full_blocks`).
         Returns False, changing nothing, when free plus evictable blocks do not suffice.
         Reused idle cached blocks stop being evictable, so they count against the free room.
         """
         table = self.block_tables.setdefault(request.request_id, [])
-        num_tokens = self.num_slots(request) + len(cached) * self.block_size + num_new_tokens
+        slots = self.num_slots(request)
+        if (cached or num_loaded_tokens) and slots != len(table) * self.block_size:
+            raise ValueError("cached or loaded blocks must start on the table's block boundary")
+        num_tokens = slots + len(cached) * self.block_size + num_loaded_tokens + num_new_tokens
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(table) - len(cached)
         num_idle_reused = sum(1 for b in cached if self.block_pool.ref_counts[b] == 0)
         if num_new_blocks + num_idle_reused > self.block_pool.num_allocatable:
@@ -71,28 +87,22 @@ class KVCacheManager:
                 del self.block_tables[request.request_id]
             return False
         if cached:
+            self.register_full_blocks(request)  # the blocks before these, if not done yet
+            registered = self._num_registered.get(request.request_id, 0) == len(table)
             self.block_pool.touch(list(cached))
             table.extend(cached)
-            self._num_registered[request.request_id] = len(table)
+            if registered:  # cached blocks are in the prefix cache already
+                self._num_registered[request.request_id] = len(table)
         if num_new_blocks > 0:
             table.extend(self.block_pool.allocate(num_new_blocks))
         return True
 
-    def append_computed(self, request: Request, block_ids: Sequence[int]) -> bool:
-        """Append blocks the caller filled (KV restored from a tier) after the request's
-        computed tokens; the caller then advances `num_computed_tokens` over them. Only
-        where the computed tokens end on a block boundary with no block allocated past it:
-        False, changing nothing, otherwise."""
-        table = self.block_tables.get(request.request_id)
-        if table is None or request.request_id in self.num_evicted:
-            return False
-        if self.num_slots(request) != len(table) * self.block_size:
-            return False
-        self.register_full_blocks(request)  # the blocks before these, if not done yet
-        table.extend(block_ids)
-        if self._num_registered.get(request.request_id, 0) == len(table) - len(block_ids):
-            self._num_registered[request.request_id] = len(table)  # the caller cached them
-        return True
+    def loaded_blocks(self, request: Request, num_loaded_tokens: int) -> list[int]:
+        """The blocks `allocate` gave the loaded tokens: those right after the request's
+        computed slots (call before advancing `num_computed_tokens` over them)."""
+        first = self.num_slots(request) // self.block_size
+        table = self.block_tables.get(request.request_id, [])
+        return table[first : first + num_loaded_tokens // self.block_size]
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

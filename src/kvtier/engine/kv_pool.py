@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -118,6 +119,23 @@ class KVPool:
         shaped = padded.view(*tokens.shape[:3], num_blocks, self.block_size, self.head_dim)
         table = torch.tensor(block_table[:num_blocks], device=self.kv.device)
         self.kv[table] = shaped.permute(3, 0, 1, 2, 4, 5)
+
+    def read_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A copy of these blocks, [n, *block_shape], into `out` when given (the block port
+        of `kvtier.engine.connector`: one gather for a whole chunk)."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        if out is None:
+            return self.kv.index_select(0, index)
+        torch.index_select(self.kv, 0, index, out=out)
+        return out
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Fill these blocks from [n, *block_shape] (one scatter)."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        with torch.inference_mode():
+            self.kv.index_copy_(0, index, blocks.to(self.kv.device, self.dtype))
 
     def read_block(self, block_id: int, codec: BlockCodec = _IDENTITY) -> torch.Tensor:
         """A copy of one block in the codec's stored form (full precision by default)."""

@@ -34,7 +34,7 @@ Codes are packed split-halves (`quant.pack_split`), so unpacking is a concatenat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -314,6 +314,21 @@ class QuantizedKVPool:
             return self.packed[block_id].clone()
         full = self._read_blocks(torch.tensor([block_id], device=self.device))[0]
         return codec.encode(full)
+
+    def read_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """These blocks dequantized, [n, *block_shape] (the connector's block port)."""
+        blocks = self._read_blocks(torch.tensor(list(block_ids), device=self.device))
+        if out is None:
+            return blocks
+        out.copy_(blocks)
+        return out
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Quantize [n, *block_shape] into these (full) blocks."""
+        with torch.inference_mode():
+            self._store_blocks(list(block_ids), blocks.to(self.device, self.dtype))
 
     # ----- internals ---------------------------------------------------------------------
 

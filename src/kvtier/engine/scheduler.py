@@ -9,13 +9,13 @@ Each step the scheduler hands out at most `max_num_batched_tokens` tokens of wor
 When the pool cannot hold a request's next tokens, the most recently admitted request that
 is not yet scheduled this step is preempted, recompute style: its blocks are released (its
 full blocks stay in the prefix cache, so re-admission usually hits them) and it goes back to
-the front of the waiting queue. With a tiered connector the preemption is a swap-out: the
-connector hears of it first and spills the full blocks the pool then reuses, so
-re-admission restores them through the prefix lookup instead of recomputing them.
-A prompt whose stored history resumes after a recomputed run (a chunk dropped from the tiers,
-or the front of a bidirectional restore plan) has each prefill chunk stopped where the
-connector's next load starts; at the next step the connector appends the loaded blocks and
-moves the request's computed tokens past them.
+the front of the waiting queue. A connector (`kvtier.engine.connector`) hears of it first, and
+may copy the blocks out so that re-admission loads them instead of recomputing them.
+With a connector, admission asks it how many prompt tokens after the device hits it can load;
+the scheduler allocates their blocks with the prefill's and hands them over. A prompt whose
+stored history resumes after a recomputed run (a chunk dropped from the tiers, or the front of
+a bidirectional restore plan) has each prefill chunk stopped where the connector's next load
+starts; there the device prefix lookup goes on, then the connector's loads, the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvtier.engine.connector import KVConnector
 from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvtier.engine.request import FinishReason, Request, RequestStatus
 
@@ -59,9 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Optional tiered KV connector (kvtier.cache): extends a prefix lookup with blocks
-        # restored from lower tiers, and swaps out what preemption releases.
-        self.connector = None
+        self.connector: KVConnector | None = None  # set by Engine.set_connector
 
     @property
     def has_unfinished(self) -> bool:
@@ -97,7 +96,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if self.connector is not None and request.num_tokens - request.num_computed_tokens > 1:
-                self.connector.continue_restore(request)  # loads waiting for this prefill
+                self._resume_history(request)
             n = self._prefill_limit(request, budget[0], request.num_computed_tokens)
             while not self.kv.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
@@ -114,8 +113,10 @@ class Scheduler:
         """Tokens to compute this step: the rest, within the budget, and never past the point
         where the connector will load the KV that follows (a restore after a recomputed run)."""
         n = min(request.num_tokens - computed, budget)
-        boundary = None if self.connector is None else self.connector.restore_boundary(request)
-        if boundary is not None and boundary > computed:
+        boundary = (
+            None if self.connector is None else self.connector.next_load_position(request, computed)
+        )
+        if boundary is not None:
             n = min(n, boundary - computed)
         return n
 
@@ -158,28 +159,64 @@ class Scheduler:
         while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
-            if self.connector is not None:
-                cached = self.connector.extend_prefix(request, cached)
             num_cached_tokens = len(cached) * self.block_size
-            n = self._prefill_limit(request, budget[0], num_cached_tokens)
-            if not self.kv.allocate(request, n, cached):
-                if self.running:
-                    return  # wait for running requests to release blocks; keep FCFS order
-                # Nobody else holds blocks, so the pool can never fit it (a preempted
-                # request whose output grew past the pool): end it rather than spin.
-                self._end_oversized(request, out)
-                continue
+            promised = loaded = self._loadable(request, num_cached_tokens)
+            n = self._prefill_limit(request, budget[0], num_cached_tokens + loaded)
+            if not self.kv.allocate(request, n, cached, loaded):
+                loaded = 0
+                n = self._prefill_limit(request, budget[0], num_cached_tokens)
+                if not self.kv.allocate(request, n, cached):
+                    if self.running:
+                        return  # wait for running requests to release blocks; keep FCFS order
+                    # Nobody else holds blocks, so the pool can never fit it (a preempted
+                    # request whose output grew past the pool): end it rather than spin.
+                    self._end_oversized(request, out)
+                    continue
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
+            self._hand_over(request, promised, loaded)
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached_tokens
+                request.num_cached_tokens = request.num_computed_tokens
                 request.metrics.first_scheduled_time = time.perf_counter()
-                self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached_tokens)
+                self.kv.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
                 out.admitted.append(request)
             out.scheduled.append((request, n))
             budget[0] -= n
+
+    def _loadable(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens the connector can load from `num_computed_tokens` on (0 without one)."""
+        if self.connector is None:
+            return 0
+        return self.connector.num_loadable_tokens(request, num_computed_tokens)
+
+    def _hand_over(self, request: Request, promised: int, loaded: int) -> None:
+        """Give the connector the blocks allocated for the `promised` tokens it will load
+        (none when there was no room for them, `loaded` = 0: it forgets those loads) and
+        count them as computed; the engine loads them before the forward pass, or rolls the
+        request back if a load fails."""
+        if not promised:
+            return
+        block_ids = self.kv.loaded_blocks(request, loaded) if loaded else []
+        self.connector.on_blocks_allocated(request, block_ids)
+        request.num_computed_tokens += loaded
+
+    def _resume_history(self, request: Request) -> None:
+        """At the position where the connector's next load starts (the prefill has just
+        recomputed the run before it): the blocks there still cached on the device are
+        taken, then the connector's loads after them, if the pool has room for them."""
+        position = request.num_computed_tokens
+        if self.connector.next_load_position(request, position - 1) != position:
+            return
+        cached = self.kv.find_cached_prefix(request, position // self.block_size)
+        promised = loaded = self._loadable(request, position + len(cached) * self.block_size)
+        if not self.kv.allocate(request, 0, cached, loaded):
+            loaded = 0
+            if not self.kv.allocate(request, 0, cached):
+                cached = []
+        request.num_computed_tokens += len(cached) * self.block_size
+        self._hand_over(request, promised, loaded)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request wherever it is and release its blocks."""
@@ -189,6 +226,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if self.connector is not None:
+            self.connector.on_request_finished(request)  # may copy its blocks out first
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED

@@ -1,0 +1,358 @@
+"""Restorer: a resumed prompt's stored chunks found, planned, prefetched and loaded.
+
+The scheduler side of the connector contract (`kvtier.engine.connector`), for loads:
+
+- `prefetch` (request queued): the loads the restore will do start in the background.
+- `loadable` (admission, or the prefill reaching a boundary): the request's plan, made once
+  from where its device hits end: the stored chunks after them (`restore="load"`: every one;
+  `"plan"`: the restore planner's choice, `kvtier.policy.restore`), runs of blocks stored
+  nowhere (holes, recomputed), and runs still cached on the device after a hole (taken as they
+  are by the scheduler's prefix lookup there). The chunks that continue the prefix without a
+  gap are promised; the scheduler allocates their blocks.
+- `next_position`: where the prefill must stop because the plan goes on there.
+- `allocated`: the promised chunks become this step's load jobs (or are dropped: no room).
+- `run_loads` (worker side, before the forward): each job's chunk comes from its prefetch
+  (waited for until the deadline), from the staged bytes of a write in flight, or from a load
+  now; it is checked and written through the pool's block port. A missing, corrupt or late
+  chunk fails its request from that block on (the engine recomputes from there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvtier.cache.chunks import Chunks
+from kvtier.cache.config import TiersConfig
+from kvtier.cache.forms import ChunkForms, Restored
+from kvtier.engine.request import Request
+from kvtier.tiers import Chunk, Mover, Payload, TieredStore
+from kvtier.tiers.vocab import DEVICE, FULL, RECOMPUTED, SOURCES
+
+if TYPE_CHECKING:
+    from kvtier.policy.cost_model import CostModel
+    from kvtier.policy.restore import RestorePlan
+    from kvtier.tiers.mover import Prefetch
+
+
+class Load(NamedTuple):
+    """Blocks [first, end) of a request: from `chunk`, or (chunk None) cached on the device
+    after a run the prefill recomputes."""
+
+    chunk: Chunk | None
+    first: int
+    end: int
+
+
+class _Job(NamedTuple):
+    request: Request
+    load: Load
+    block_ids: list[int]
+
+
+class Restorer:
+    def __init__(
+        self,
+        config: TiersConfig,
+        chunks: Chunks,
+        store: TieredStore,
+        mover: Mover,
+        chunk_forms: ChunkForms,
+        cost_model: Callable[[], CostModel],
+        counters: Counter[str],
+        tokens: Counter[str],
+    ) -> None:
+        self.config = config
+        self.chunks = chunks
+        self.block_size = chunks.block_size
+        self.store = store
+        self.mover = mover
+        self.chunk_forms = chunk_forms
+        self.cost_model = cost_model
+        self.counters = counters
+        self.tokens = tokens  # prompt tokens per source, over all requests
+        self._plans: dict[str, list[Load]] = {}  # request id -> loads not yet promised
+        self._promised: dict[str, list[Load]] = {}
+        self._jobs: list[_Job] = []
+        self._prefetches: dict[str, tuple[Prefetch, dict[bytes, int]]] = {}
+        self._loaded: dict[str, Counter[str]] = {}  # request id -> blocks loaded per tier
+        self._accounted: set[str] = set()  # requests whose sources are on their metrics
+
+    # ----- scheduler side --------------------------------------------------------------
+
+    def prefetch(self, request: Request) -> None:
+        c = self.config
+        if not c.prefetch or c.restore == "recompute" or not len(self.store):
+            return  # (chunks only staged are read from their bytes at admission)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = request.keys_of_full_blocks(self.block_size)[:max_blocks]
+        start = self.chunks.cached_run(keys)
+        # chunks still being written are read from their staged bytes, not prefetched
+        ids = [
+            load.chunk.id
+            for load in self._plan_loads(request, start, for_prefetch=True)
+            if load.chunk is not None and self.chunks.writes.staged(load.chunk.id) is None
+        ]
+        if not ids:
+            return
+        # decoding a quantized chunk runs on the prefetch worker too
+        handle = self.mover.prefetch(ids, then=self._decode)
+        self._prefetches[request.request_id] = (handle, {cid: i for i, cid in enumerate(ids)})
+        self.counters["prefetched_chunks"] += len(ids)
+
+    def loadable(self, request: Request, num_computed_tokens: int) -> int:
+        rid = request.request_id
+        start = num_computed_tokens // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        plan = self._plans.get(rid)
+        if rid in self._promised:  # promised before, but the scheduler could not admit it
+            plan = self._plans[rid] = self._promised.pop(rid) + (plan or [])
+        if plan is None:
+            if start >= max_blocks or self.config.restore == "recompute":
+                return 0
+            plan = self._plans[rid] = self._plan_loads(request, start)
+        self._pass(request, plan, start)
+        promised: list[Load] = []
+        while plan and plan[0].chunk is not None and plan[0].first == start:
+            load = plan.pop(0)
+            promised.append(load)
+            start = load.end
+        if not plan:
+            self._plans.pop(rid, None)
+            if not promised:
+                self._forget_prefetch(rid)
+        if not promised:
+            return 0
+        self._promised[rid] = promised
+        return (promised[-1].end - promised[0].first) * self.block_size
+
+    def _pass(self, request: Request, plan: list[Load], start: int) -> None:
+        """Drop the plan's entries before block `start` (the scheduler's device lookup or the
+        prefill got past them), counting what became of device runs."""
+        while plan and plan[0].first < start:
+            load = plan.pop(0)
+            if load.chunk is None:
+                reused = min(load.end, start) - load.first
+                self.counters["reused_device_blocks_after_recompute"] += reused
+                self._count_loaded(request, DEVICE, reused)
+                if reused < load.end - load.first:
+                    self.counters["device_blocks_evicted_before_reuse"] += 1
+        if plan and plan[0].chunk is None and plan[0].first == start:
+            plan.pop(0)  # the scheduler found none of them cached: evicted since the plan
+            self.counters["device_blocks_evicted_before_reuse"] += 1
+
+    def next_position(self, request: Request, after: int) -> int | None:
+        for load in self._plans.get(request.request_id, ()):
+            if load.first * self.block_size > after:
+                return load.first * self.block_size
+        return None
+
+    def allocated(self, request: Request, block_ids: list[int]) -> None:
+        promised = self._promised.pop(request.request_id, [])
+        if not promised:
+            return
+        if not block_ids:
+            self.counters["restore_skipped_no_room"] += 1
+            return  # recomputed
+        offset = promised[0].first
+        for load in promised:
+            ids = block_ids[load.first - offset : load.end - offset]
+            self._jobs.append(_Job(request, load, ids))
+
+    def forget(self, request_id: str) -> None:
+        """The request left the scheduler (finished, or preempted: re-planned later)."""
+        self._plans.pop(request_id, None)
+        self._promised.pop(request_id, None)
+        self._jobs = [job for job in self._jobs if job.request.request_id != request_id]
+        self._forget_prefetch(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.forget(request_id)
+        self._loaded.pop(request_id, None)
+        self._accounted.discard(request_id)
+
+    # ----- sources ---------------------------------------------------------------------
+
+    def on_admitted(self, request: Request) -> None:
+        """The prompt tokens' sources: device hits, each tier's loads, the rest recomputed."""
+        bs = self.block_size
+        cached_blocks = (request.num_cached_tokens or 0) // bs
+        loaded = self._loaded.pop(request.request_id, Counter())
+        sources: Counter[str] = Counter({tier: n * bs for tier, n in loaded.items()})
+        sources[DEVICE] = (cached_blocks - sum(loaded.values())) * bs
+        sources[RECOMPUTED] = request.num_prompt_tokens - cached_blocks * bs
+        request.metrics.prompt_token_sources = {s: sources.get(s, 0) for s in SOURCES}
+        self.tokens.update(sources)
+        self._accounted.add(request.request_id)
+
+    def _count_loaded(self, request: Request, tier: str, blocks: int) -> None:
+        rid = request.request_id
+        if rid not in self._accounted:
+            if tier != DEVICE:  # device hits are what admission does not count as loaded
+                self._loaded.setdefault(rid, Counter())[tier] += blocks
+            return
+        # loaded after a recomputed run, once admission had counted these as recomputed
+        n = blocks * self.block_size
+        sources = request.metrics.prompt_token_sources
+        if sources is not None and sources.get(RECOMPUTED, 0) >= n:
+            sources[tier] = sources.get(tier, 0) + n
+            sources[RECOMPUTED] -= n
+            self.tokens[tier] += n
+            self.tokens[RECOMPUTED] -= n
+        self.counters["restored_blocks_after_recompute"] += blocks
+
+    # ----- worker side -----------------------------------------------------------------
+
+    def run_loads(self) -> dict[str, int]:
+        """This step's loads, in order; request id -> its first block not filled."""
+        jobs, self._jobs = self._jobs, []
+        failed: dict[str, int] = {}
+        for request, load, ids in jobs:
+            rid = request.request_id
+            if rid in failed:
+                continue  # recomputed from the failed block on
+            if not self._fill(request, load, ids):
+                failed[rid] = load.first
+                self.counters["restore_failures"] += 1
+                self._plans.pop(rid, None)  # the prefill recomputes everything after it
+        for rid in {job.request.request_id for job in jobs}:
+            if rid not in self._plans:
+                self._forget_prefetch(rid)
+        return failed
+
+    def _fill(self, request: Request, load: Load, block_ids: list[int]) -> bool:
+        chunk = load.chunk
+        assert chunk is not None
+        deadline = time.monotonic() + self.config.restore_deadline_s
+        loaded, tier = self._load(request.request_id, chunk, deadline)
+        if loaded is None or tier is None or loaded.blocks.shape[0] != len(chunk.keys):
+            return False
+        grid = (load.first // self.chunks.blocks_per_chunk) * self.chunks.blocks_per_chunk
+        blocks = loaded.blocks[load.first - grid : load.end - grid]
+        self.chunks.port.write_blocks(block_ids, blocks)
+        for block_id in block_ids:
+            # a block restored lossy is never "exact"
+            self.chunks.block_pool.set_form(block_id, loaded.form)
+        n = len(block_ids)
+        self.counters["restored_chunks"] += 1
+        self.counters["restored_blocks"] += n
+        self.counters[f"restored_blocks_{tier}"] += n
+        if loaded.form != FULL:
+            self.counters[f"restored_blocks_{loaded.form}"] += n
+        self._count_loaded(request, tier, n)
+        return True
+
+    def _load(
+        self, request_id: str, chunk: Chunk, deadline: float
+    ) -> tuple[Restored | None, str | None]:
+        """The chunk in the pool's dtype and the form it was stored in (None: missing,
+        corrupt, not this pool's blocks, or late), and the tier it counts as restored from.
+
+        In order: its prefetch (waited for until the deadline; decoded on the worker), the
+        staged bytes of a write still in flight (no waiting for the tier), a load now
+        (retried `retries` times)."""
+        prefetch = self._prefetches.get(request_id)
+        if prefetch is not None and chunk.id in prefetch[1]:
+            handle, index = prefetch
+            placement = self.store.locate(chunk.id)
+            wait = max(0.0, deadline - time.monotonic())
+            loaded, finished = handle.entry(index[chunk.id], wait)
+            if loaded is None and not finished:
+                self.counters["restore_late"] += 1
+            if loaded is not None:
+                self.counters["restored_chunks_prefetched"] += 1
+            return loaded, placement.tier if placement is not None else None
+        staged = self.chunks.writes.staged(chunk.id)
+        if staged is not None:
+            self.counters["restored_chunks_staged"] += 1
+            loaded = self._decode(staged.payload)
+            return (loaded._replace(form=staged.form) if loaded else None), staged.tier
+        placement = self.store.locate(chunk.id)
+        if placement is None:
+            return None, None
+        payload = self.store.promote(chunk.id, attempts=1 + self.config.retries)
+        return self._decode(payload), placement.tier
+
+    def _decode(self, payload: Payload | None) -> Restored | None:
+        """`ChunkForms.restore`, with bytes that do not decode counted as a miss."""
+        try:
+            return self.chunk_forms.restore(payload)
+        except (ValueError, RuntimeError):
+            return None
+
+    def _forget_prefetch(self, request_id: str) -> None:
+        prefetch = self._prefetches.pop(request_id, None)
+        if prefetch is not None:
+            prefetch[0].cancel()
+
+    # ----- planning --------------------------------------------------------------------
+
+    def _plan_loads(self, request: Request, start: int, for_prefetch: bool = False) -> list[Load]:
+        """The stored chunks after block `start` that the request will load, in prompt order;
+        for a prefetch, in the plan's issue order (a bidirectional plan loads back to front:
+        the chunks next to the recomputed front are needed last). Runs still cached on the
+        device after a run the prefill recomputes come as Load(None, ...), except for a
+        prefetch.
+
+        `restore="load"` loads every stored chunk; runs of blocks stored nowhere (holes) are
+        recomputed and the loads after them go on. `restore="plan"` follows the restore
+        planner (`policy.restore`): the front it recomputes while the back loads."""
+        keys = request.keys_of_full_blocks(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        namespace = self.chunks.namespace_of(request)
+        k = self.chunks.blocks_per_chunk
+        found: list[Load] = []
+        runs: list[tuple[int, int, str | None]] = []  # every run of blocks and its tier
+        stored = self.chunks.any_stored()
+        pos = start
+        while pos < max_blocks:
+            grid_end = min((pos // k + 1) * k, max_blocks)
+            chunk = self.chunks.find_stored(keys, pos // k, namespace, pos) if stored else None
+            cached = 0 if chunk is not None else self.chunks.cached_run(keys[pos:grid_end])
+            if cached:
+                runs.append((pos, pos + cached, DEVICE))
+                found.append(Load(None, pos, pos + cached))
+                if pos + cached < grid_end:
+                    runs.append((pos + cached, grid_end, None))
+                pos = grid_end
+                continue
+            end = grid_end if chunk is None else min((pos // k) * k + len(chunk.keys), grid_end)
+            runs.append((pos, end, None if chunk is None else self.chunks.locate(chunk.id)))
+            if chunk is not None:
+                found.append(Load(chunk, pos, end))
+                if end < grid_end:
+                    runs.append((end, grid_end, None))  # a short chunk: the rest is a hole
+            pos = grid_end
+        if for_prefetch:
+            found = [load for load in found if load.chunk is not None]
+        if not any(load.chunk for load in found) or self.config.restore != "plan":
+            return found
+        plan = self._plan(runs, count=not for_prefetch)
+        chosen = {runs[i][0]: i for i in plan.loads}
+        loads = [load for load in found if load.chunk is None or load.first in chosen]
+        if for_prefetch:
+            loads.sort(key=lambda load: plan.loads.index(chosen[load.first]))
+        return loads
+
+    def _plan(self, runs: list[tuple[int, int, str | None]], count: bool) -> RestorePlan:
+        from kvtier.policy.restore import plan_restore
+        from kvtier.policy.view import ChunkView
+
+        bs = self.block_size
+        per_block = self.chunk_forms.nbytes(1, FULL)
+        views = [
+            ChunkView(
+                index=i,
+                token_start=first * bs,
+                token_end=end * bs,
+                tier=tier,
+                size_bytes=(end - first) * per_block,
+            )
+            for i, (first, end, tier) in enumerate(runs)
+        ]
+        plan = plan_restore(views, self.cost_model())
+        if count:
+            self.counters[f"restore_plan_{plan.kind}"] += 1
+        return plan

@@ -1,0 +1,124 @@
+"""Spiller: device blocks copied out to the top tier: on eviction, on preemption, on finish.
+
+- `on_block_evicted`: the pool is about to reuse an idle cached block. When spilling is on,
+  the block's whole chunk (on the grid from its sequence's first block) is copied out as one
+  payload (one gather through the block port: the only part the engine thread pays) and
+  queued on the mover, whose worker writes it into the top tier and runs the store's cascade
+  of demotions; the chunk's other blocks stay on the device, and later evictions find the
+  chunk stored or in flight. With spilling off (`retain`, `recompute`) the block is dropped,
+  unless it belongs to a preempted request (swap-out, `swap_on_preempt`).
+- `remember`: a finished (or preempted) request's computed full blocks are mapped to their
+  chunks, so an eviction knows which chunk a block belongs to.
+- `write_through`: a finished request's full chunks no tier holds are gathered and queued now,
+  so evicting them later costs no copy.
+- `drop_device_blocks`: a policy's eviction of idle blocks, not spilled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvtier.cache.chunks import Chunks
+from kvtier.engine.request import Request
+from kvtier.tiers import Chunk
+
+
+class _ChunkOf(NamedTuple):
+    """The chunk a cached block belongs to, and whether it was marked for swap-out."""
+
+    keys: tuple[bytes, ...]
+    namespace: str
+    swap: bool = False
+
+
+class Spiller:
+    def __init__(
+        self, chunks: Chunks, spill_on_evict: bool, write_through: bool, counters: Counter[str]
+    ) -> None:
+        self.chunks = chunks
+        self.spill_on_evict = spill_on_evict
+        self.write_through = write_through and spill_on_evict
+        self.counters = counters
+        # block key -> its chunk in the latest finished (or preempted) sequence
+        self._chunk_of: dict[bytes, _ChunkOf] = {}
+        self._suppress = False
+
+    def remember(self, request: Request, swap: bool) -> list[bytes]:
+        """Map each computed full block's key to its chunk; returns those keys."""
+        bs = self.chunks.block_size
+        keys = request.keys_of_full_blocks(bs)[: request.num_computed_tokens // bs]
+        namespace = self.chunks.namespace_of(request)
+        for chunk in self.chunks.chunk_keys(keys):
+            for key in chunk:
+                self._chunk_of[key] = _ChunkOf(chunk, namespace, swap)
+        return keys
+
+    def on_block_evicted(self, key: bytes) -> None:
+        info = self._chunk_of.pop(key, None)
+        if self._suppress or not (self.spill_on_evict or (info is not None and info.swap)):
+            self.counters["evicted_dropped"] += 1
+            return
+        if info is None:
+            self.counters["evicted_unknown"] += 1
+            return
+        c = self.chunks
+        if c.locate(Chunk(info.keys, info.namespace).id) is not None:
+            return  # already stored or in flight (an earlier block of the chunk spilled it)
+        ids = c.device_blocks(info.keys)
+        if len(ids) <= info.keys.index(key):
+            self.counters["evicted_dropped"] += 1  # a gap before it: unreachable anyway
+            return
+        chunk = Chunk(info.keys[: len(ids)], info.namespace)
+        if c.locate(chunk.id) is not None:
+            return
+        # The gather is the copy out of the device block, so the pool may reuse the block as
+        # soon as this returns; the tier write happens on the mover's worker.
+        payload = c.gather(ids)
+        kind = "swapped" if info.swap else "spilled"
+        blocks = len(ids)
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.counters[f"{kind}_chunks"] += 1
+                self.counters[f"{kind}_blocks"] += blocks
+                self.counters[f"{kind}_bytes"] += payload.nbytes
+            else:
+                self.counters["spill_failures"] += 1  # dropped (queue full) or failed
+
+        c.writes.put(chunk, payload, None, done, c.form_of(ids))
+
+    def write_through_chunks(self, keys: Sequence[bytes], namespace: str) -> None:
+        """Queue each full chunk of a finished request that no tier holds (nor is being
+        written) for the top tier, its device blocks staying cached. The partial tail chunk
+        is left: the next turn extends it into a chunk with another id. A chunk restored from
+        a tier this turn is found there and not written again."""
+        c = self.chunks
+        for chunk_keys in c.chunk_keys(keys):
+            chunk = Chunk(chunk_keys, namespace)
+            if len(chunk_keys) < c.blocks_per_chunk or c.locate(chunk.id) is not None:
+                continue
+            ids = [b for b in map(c.block_pool.lookup, chunk_keys) if b is not None]
+            if len(ids) < len(chunk_keys):
+                continue  # some block was never cached: no whole chunk to copy
+            payload = c.gather(ids)
+
+            def done(ok: bool, nbytes: int = payload.nbytes) -> None:
+                if ok:
+                    self.counters["written_through_chunks"] += 1
+                    self.counters["written_through_bytes"] += nbytes
+                else:
+                    self.counters["write_through_failures"] += 1  # queue full, or failed
+
+            c.writes.put(chunk, payload, None, done, c.form_of(ids))
+
+    def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
+        """Evict these keys' idle device blocks without spilling them (a policy decided)."""
+        pool = self.chunks.block_pool
+        ids = [b for b in (pool.lookup(k) for k in keys) if b is not None]
+        self._suppress = True
+        try:
+            return pool.drop_cached(ids)
+        finally:
+            self._suppress = False

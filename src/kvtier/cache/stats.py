@@ -1,0 +1,58 @@
+"""The tiered connector's report (`Engine.stats().tiers`): shaped here, off the hot path."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kvtier.tiers import Mover, TieredStore
+
+_TIER_FIELDS = (
+    "used_bytes",
+    "capacity_bytes",
+    "chunks",
+    "bytes_read",
+    "bytes_written",
+    "hits",
+    "misses",
+    "errors",
+)
+
+
+def connector_stats(
+    *,
+    policy: str,
+    tokens: Counter[str],
+    decisions: Counter[str],
+    policy_runs: Counter[str],
+    counters: Counter[str],
+    store: TieredStore,
+    mover: Mover,
+    tier_forms: dict[str, str],
+    writes_in_flight: int,
+) -> dict[str, Any]:
+    snapshot = store.snapshot()
+    tiers = {
+        name: {key: tier[key] for key in _TIER_FIELDS if key in tier}
+        for name, tier in snapshot["tiers"].items()
+    }
+    moves = {
+        name: {"ops": move["ops"], "bytes": move["bytes"], "failures": move["failures"]}
+        for name, move in snapshot["moves"].items()
+    }
+    recodes = {
+        name: {"ops": r["ops"], "bytes_in": r["bytes"], "seconds": r["latency"]["sum_s"]}
+        for name, r in snapshot["recodes"].items()
+    }
+    return {
+        "policy": policy,
+        "tokens": dict(tokens),
+        "decisions": dict(decisions),
+        "policy_runs": dict(policy_runs),
+        "counters": dict(counters),
+        "tiers": tiers,
+        "moves": moves,
+        "forms": dict(tier_forms),
+        "recodes": recodes,
+        "mover": {**mover.counts, "writes_in_flight": writes_in_flight},
+    }

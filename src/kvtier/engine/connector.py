@@ -1,0 +1,163 @@
+"""KVConnector: the contract between the engine and a store that supplies and keeps KV blocks.
+
+Modelled on vLLM's `KVConnectorBase_V1` split, in the engine's own words, so that one tier
+core (kvtier.cache) can sit behind this engine and, later, behind vLLM:
+
+    scheduler side                          worker side (around the forward pass)
+    --------------                          -------------------------------------
+    on_request_added     queued             start_loads      begin this step's loads
+    num_loadable_tokens  what it can give   wait_for_loads   -> {request: first bad block}
+    next_load_position   where to stop      after_step       saves reaped, policy timer
+    on_blocks_allocated  blocks to fill     (block events: BlockEventListener, the saves)
+    on_admitted          sources counted
+    on_preempted         before release
+    on_request_finished  before release
+
+Ownership, and what happens on failure:
+- **The scheduler allocates and frees every device block.** The connector promises tokens
+  (`num_loadable_tokens`); the scheduler allocates blocks for them and hands their ids over
+  (`on_blocks_allocated`); the connector fills exactly those blocks, through the pool's
+  block port (`KVBlockPort.read_blocks` / `write_blocks`, which a quantized pool implements
+  in its own form), and never allocates, frees or registers a block in the prefix cache.
+  Loaded blocks enter the prefix cache the way computed ones do: after the step that counts
+  them as computed.
+- **Loads finish within the step**: the engine calls `start_loads` and `wait_for_loads`
+  before the forward pass (so `num_loadable_tokens` is never asynchronous here; overlapping
+  loads with the forward, layer by layer, is a later change of the worker side only).
+- **A load that fails** (missing, late, corrupt, forged) is reported by `wait_for_loads`
+  as the first block index of that request that was not filled. The engine rolls the request
+  back to that block: it is recomputed from there, so a failing tier costs time, never
+  correctness. The connector forgets that request's later loads.
+- **Saves never stall the step.** The connector copies blocks out (`read_blocks`) when it
+  is told a block is evicted, a request finished or was preempted, and writes them below on
+  its own threads. `on_request_finished` runs before the scheduler releases the blocks.
+- Every call is made on the engine thread with the engine lock held: a connector needs no
+  lock of its own for state only these calls touch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from kvtier.engine.hooks import BlockEventListener
+
+if TYPE_CHECKING:
+    from kvtier.engine.block_pool import BlockPool
+    from kvtier.engine.request import Request
+    from kvtier.engine.sessions import SessionTracker
+
+
+class KVBlockPort(Protocol):
+    """The device pool's door for whole blocks, in full precision ([n, *block_shape]).
+
+    A packed pool (`kv_quant`) dequantizes on the way out and quantizes on the way in; the
+    connector never touches the pool's tensors."""
+
+    block_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    def read_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A copy of these blocks ([n, *block_shape], into `out` when given)."""
+        ...
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Fill these blocks from [n, *block_shape] (any device; copied)."""
+        ...
+
+
+@dataclass(frozen=True)
+class QueueDemand:
+    """Requests waiting for admission and what the first of them needs."""
+
+    num_waiting: int
+    num_tokens: int  # all waiting requests' tokens
+    head_tokens: int  # the first waiting request's tokens (0: none waits)
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine shows a connector when it is bound: read-only views and the block port.
+
+    `block_pool` is for lookups (`lookup`, `forms`, counts) and for `drop_cached` (a policy
+    evicting idle cached blocks): never for allocating. `queue` and `sessions` feed a
+    retention policy's view."""
+
+    block_pool: BlockPool
+    kv_port: KVBlockPort
+    block_size: int
+    kv_quant: str | None
+    sessions: SessionTracker
+    queue: Callable[[], QueueDemand]
+
+
+@runtime_checkable
+class KVConnector(BlockEventListener, Protocol):
+    """A store beside the device pool. See the module docstring for who owns what."""
+
+    def bind(self, context: EngineContext) -> None:
+        """Called once when the engine takes the connector; raise KvtierError to refuse."""
+        ...
+
+    # ----- scheduler side --------------------------------------------------------------
+
+    def on_request_added(self, request: Request) -> None:
+        """The request is queued: loads may start in the background (prefetch)."""
+        ...
+
+    def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """How many prompt tokens from `num_computed_tokens` (block aligned) on the connector
+        can load now: a multiple of the block size, never reaching the last prompt token."""
+        ...
+
+    def next_load_position(self, request: Request, after: int) -> int | None:
+        """The first token position past `after` where the connector will be able to supply
+        again (the request's history resumes after a run the prefill recomputes): the
+        prefill stops there, and the scheduler asks `num_loadable_tokens` at it. None:
+        nothing further."""
+        ...
+
+    def on_blocks_allocated(self, request: Request, block_ids: list[int]) -> None:
+        """The blocks the scheduler allocated for the tokens `num_loadable_tokens` promised,
+        in order from that position; empty when it had no room (the tokens are recomputed)."""
+        ...
+
+    def on_admitted(self, request: Request) -> None:
+        """First admission, after this step's loads: the prompt tokens' sources go onto
+        `request.metrics.prompt_token_sources`."""
+        ...
+
+    def on_preempted(self, request: Request) -> None:
+        """Before the scheduler releases a preempted request's blocks."""
+        ...
+
+    def on_request_finished(self, request: Request) -> None:
+        """Before the scheduler releases a finished request's blocks (its saves copy out)."""
+        ...
+
+    # ----- worker side -----------------------------------------------------------------
+
+    def start_loads(self) -> None:
+        """Begin the loads of the blocks handed over this step."""
+        ...
+
+    def wait_for_loads(self) -> dict[str, int]:
+        """Wait for this step's loads: request id -> index of its first block that was not
+        filled (the engine recomputes from there). Requests fully loaded are absent."""
+        ...
+
+    def after_step(self) -> None:
+        """After each step: finished saves accounted, timers (a retention policy) run."""
+        ...
+
+    # ----- reporting and lifecycle -----------------------------------------------------
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
