@@ -6,6 +6,7 @@ import pytest
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
+from kvtier.policy.actions import Drop, Move
 from kvtier.policy.config import OffloadSection, PolicyConfig
 
 from .scenario import GREEDY, assert_no_leak, drain, make_turns, run_second
@@ -126,4 +127,36 @@ def test_dropping_one_session_keeps_the_prefix_it_shares_with_another(engine, cl
                 out = step_out
     history_blocks = (len(first["b"]) + len(outputs["b"])) // 16
     assert out.metrics.prompt_token_sources["device"] >= 16 * (history_blocks - 1)
+    assert_no_leak(engine)
+
+
+def test_actions_move_chunks_down_only_and_drop_frees_every_tier(engine, tmp_path):
+    """The runner reads actions through the shared executor: down host -> disk happens, back
+    up (or to the device) is skipped and counted, and a drop empties every tier."""
+    turns = make_turns(0)
+    tiers = TiersConfig(
+        host_bytes=64 * MIB, disk_bytes=64 * MIB, disk_dir=tmp_path / "d", chunk_tokens=64
+    )
+    connector = attach_connector(engine, tiers, "retain")
+    first_turn(engine, turns)
+    runner = connector.runner
+    count = len(session_tiers(connector))
+    runner.execute(Move("s1", None, "host"))
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {"host"}
+    runner.execute(Move("s1", None, "disk"))
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {"disk"}
+    assert connector.counters["policy_moved_bytes_host->disk"] > 0
+    runner.execute(Move("s1", None, "host"))
+    runner.execute(Move("s1", 0, "device"))
+    assert runner.skipped["move_up"] == count
+    assert runner.skipped["move_target"] == 1
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {"disk"}
+    runner.execute(Drop("s1"))
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {None}
+    assert connector.store.snapshot()["tiers"]["disk"]["chunks"] == 0
+    assert runner.decisions["move"] == 4 and runner.decisions["drop"] == 1
     assert_no_leak(engine)

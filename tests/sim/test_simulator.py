@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvtier.errors import KvtierError
 from kvtier.policy.actions import Action, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
@@ -30,6 +31,16 @@ class ToHost(RetentionPolicy):
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         return [Move(s.session_id, None, "host") for s in view.candidates(now)]
+
+
+@dataclass
+class ToHostInt8(RetentionPolicy):
+    """As ToHost, quantized on the way (a form the simulator does not model)."""
+
+    name = "to-host-int8"
+
+    def decide(self, view: PolicyView, now: float) -> list[Action]:
+        return [Move(s.session_id, None, "host", "int8") for s in view.candidates(now)]
 
 
 def policy(name: str, **fields) -> PolicyConfig:
@@ -76,6 +87,13 @@ def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(sm
     assert (host.bytes_read, host.bytes_dropped) == (15 * chunk_bytes, chunk_bytes)
     assert host.resident_bytes == small.kv_bytes(4210)
     assert result.run.decisions["demote"]["device"] == 16 + 17
+
+
+def test_a_move_to_a_compressed_form_is_a_clear_error(small):
+    requests = [request("s", 0, 0.0, 4000, 96), request("s", 1, 600.0, 4200, 10)]
+    config = policy("tests.sim.test_simulator:ToHostInt8", interval_s=5.0)
+    with pytest.raises(KvtierError, match="asked for form 'int8'"):
+        simulate(requests, small, config)
 
 
 @pytest.mark.parametrize("write_through", [False, True])

@@ -3,16 +3,10 @@
 Every `interval_s` of the engine's clock (the SessionTracker's, so replays run in trace time)
 and when the device pool runs short while requests wait, it builds a `kvtier.policy.view`
 snapshot (sessions, their chunks and where each lives, tier budgets, the waiting queue), calls
-`policy.decide(view, now)` and executes the actions:
-
-- `Move(session, chunk, tier)`: a chunk on the device is copied out as ONE payload (all its
-  blocks, one gather into host memory) and its idle device blocks are freed; the write into
-  `tier` runs on the mover's worker. A chunk already in a lower tier is demoted by the store,
-  also on the worker. Moves up, or of blocks in use, are skipped (counted). The chunk is
-  stored at the less precise of `Move.form` and the tier's form (`TiersConfig.forms`),
-  encoded on the worker; the view shows each chunk's form and its size in that form.
-- `Drop(session, chunk)`: idle device blocks freed, stored copies deleted (in the background).
-- `Keep`: counted.
+`policy.decide(view, now)` and hands the actions to the shared `ActionExecutor`
+(`kvtier.policy.executor`, the simulator's too), which acts on the connector through
+`ConnectorChunks` (`chunk_actions.py`: how one chunk moves or is dropped). The view shows each
+chunk's form and its size in that form.
 
 The engine thread never waits for a tier here: a write that later fails (or finds the queue
 full) only means the chunk is recomputed when it is needed.
@@ -22,16 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kvtier.cache.forms import lossiest
-from kvtier.policy.actions import Drop, Keep, Move
+from kvtier.cache.chunk_actions import ConnectorChunks, SessionKeys
 from kvtier.policy.config import PolicyConfig
+from kvtier.policy.executor import ActionExecutor
 from kvtier.policy.registry import build_policy
 from kvtier.policy.view import (
-    TIER_RANK,
     ChunkView,
     PolicyView,
     QueueView,
@@ -48,12 +40,6 @@ if TYPE_CHECKING:
     from kvtier.policy.base import RetentionPolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _SessionKeys:
-    keys: tuple[bytes, ...]
-    namespace: str
 
 
 class PolicyRunner:
@@ -74,13 +60,16 @@ class PolicyRunner:
         )
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
         self.interval_s = self.config.interval_s
-        self.sessions: dict[str, _SessionKeys] = {}
+        self.sessions: dict[str, SessionKeys] = {}
         # block key -> how many remembered sessions hold it: blocks shared through the prefix
         # cache (a system prompt, a shared document) are never dropped for one session's sake
         self._holders: Counter[bytes] = Counter()
-        self.decisions: Counter[str] = Counter({"keep": 0, "move": 0, "drop": 0})
+        self.chunks = ConnectorChunks(connector, self.sessions, self._holders)
+        self.executor = ActionExecutor(self.chunks)
+        # what the executor decided and skipped, by kind and reason (engine stats show them)
+        self.decisions = self.executor.decisions
+        self.skipped = self.executor.skipped
         self.runs: Counter[str] = Counter({"timer": 0, "pressure": 0})
-        self.skipped: Counter[str] = Counter()
         self._last_run: float | None = None
         self._steps_since_pressure = 0
 
@@ -93,13 +82,7 @@ class PolicyRunner:
         if old is not None:
             self._holders.subtract(set(old.keys))
         self._holders.update(set(keys))
-        self.sessions[session_id] = _SessionKeys(keys, namespace)
-
-    def _own_keys(self, keys: Sequence[bytes], holders: int = 1) -> list[bytes]:
-        """The keys no other remembered session holds (`holders`: how many holders the acting
-        session itself counts for). Dropping a shared block would cut every other session's
-        prefix chain at that block: all of their history after it would be recomputed."""
-        return [k for k in keys if self._holders[k] <= holders]
+        self.sessions[session_id] = SessionKeys(keys, namespace)
 
     # ----- triggers ------------------------------------------------------------------------
 
@@ -131,9 +114,12 @@ class PolicyRunner:
             log.exception("policy %s failed to decide", self.policy_name)
             self.skipped["policy_error"] += 1
             return []
-        for action in actions:
-            self.execute(action)
+        self.executor.run(actions)
         return actions
+
+    def execute(self, action: Action) -> None:
+        """One action on its own (tests and benchmarks place chunks with it)."""
+        self.executor.run([action])
 
     # ----- the view ------------------------------------------------------------------------
 
@@ -213,94 +199,5 @@ class PolicyRunner:
             stored = self.sessions.pop(session_id)
             self._holders.subtract(set(stored.keys))
             for chunk in self.connector.chunk_keys(stored.keys):
-                self._drop(chunk, stored.namespace, holders=0)
+                self.chunks.drop_keys(chunk, stored.namespace, holders=0)
             self.decisions["forgotten"] += 1
-
-    # ----- actions -------------------------------------------------------------------------
-
-    def execute(self, action: Action) -> None:
-        if isinstance(action, Keep):
-            self.decisions["keep"] += 1
-            return
-        stored = self.sessions.get(action.session_id)
-        if stored is None:
-            self.skipped["unknown_session"] += 1
-            return
-        chunks = self.connector.chunk_keys(stored.keys)
-        indices = range(len(chunks)) if action.chunk_idx is None else [action.chunk_idx]
-        kind = "move" if isinstance(action, Move) else "drop"
-        self.decisions[kind] += 1
-        for index in indices:
-            if not 0 <= index < len(chunks):
-                self.skipped["bad_chunk"] += 1
-                continue
-            if isinstance(action, Move):
-                self._move(chunks[index], stored.namespace, action.tier, action.form)
-            elif isinstance(action, Drop):
-                self._drop(chunks[index], stored.namespace)
-
-    def _move(self, keys: tuple[bytes, ...], namespace: str, tier: str, form: str) -> None:
-        """Move a chunk to `tier`, stored at most as precise as `form` (and the tier's own)."""
-        c = self.connector
-        pool = c.block_pool
-        ids = [pool.lookup(k) for k in keys]
-        if tier == "device" or tier not in c.store.tiers:
-            self.skipped["move_target"] += 1
-            return
-        if ids and ids[0] is not None:
-            run = []
-            for block in ids:
-                if block is None:
-                    break
-                run.append(block)
-            if any(pool.ref_counts[b] for b in run):
-                self.skipped["in_use"] += 1
-                return
-            chunk = Chunk(keys[: len(run)], namespace)
-            where = c.locate(chunk.id)
-            if where is None:
-                payload = c.gather(run)
-
-                def done(ok: bool, nbytes: int = payload.nbytes) -> None:
-                    name = f"policy_moved_bytes_device->{tier}" if ok else "spill_failures"
-                    c.counters[name] += nbytes if ok else 1
-
-                c.writes.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)))
-            elif where != tier:
-                self._demote(chunk, tier, form)
-            c.drop_device_blocks(
-                self._own_keys([k for k, b in zip(keys, ids, strict=True) if b is not None])
-            )
-            return
-        c.drop_device_blocks(self._own_keys(keys))
-        chunk = Chunk(keys, namespace)
-        self._demote(chunk, tier, form)
-
-    def _demote(self, chunk: Chunk, tier: str, form: str) -> None:
-        c = self.connector
-        where = c.locate(chunk.id)
-        if where is None:
-            self.skipped["not_stored"] += 1
-            return
-        if TIER_RANK[tier] <= TIER_RANK[where]:
-            self.skipped["move_up"] += 1
-            return
-        nbytes = len(chunk.keys) * c.bytes_per_block
-
-        def done(ok: bool) -> None:
-            name = f"policy_moved_bytes_{where}->{tier}" if ok else "demote_failures"
-            c.counters[name] += nbytes if ok else 1
-
-        # Queued behind a put of the same chunk still in flight, so it demotes what landed.
-        c.writes.demote(chunk.id, tier, done, form)
-
-    def _drop(self, keys: tuple[bytes, ...], namespace: str, holders: int = 1) -> None:
-        c = self.connector
-        dropped = c.drop_device_blocks(self._own_keys(keys, holders))
-        c.counters["policy_dropped_blocks"] += dropped
-        # every stored prefix-length variant of this chunk goes too
-        for length in range(len(keys), 0, -1):
-            chunk_id = Chunk(keys[:length], namespace).id
-            if c.locate(chunk_id) is not None:
-                c.writes.delete(chunk_id)
-                c.counters["policy_deleted_chunks"] += 1

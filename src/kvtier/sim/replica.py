@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import KvtierError
-from kvtier.policy.actions import Action, Drop, Keep
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
+from kvtier.policy.executor import ActionExecutor
 from kvtier.policy.metrics import PolicyMetrics
 from kvtier.policy.restore import plan_restore
 from kvtier.policy.view import ChunkView, PolicyView, QueueView, Reason, TierView, TurnView
@@ -136,6 +136,72 @@ class SimRequest:
         return self.segment >= len(self.segments)
 
 
+class ReplicaChunks:
+    """The action executor's target over a replica (`kvtier.policy.executor`): chunks move
+    in the size-only store and take time on the target tier's link. As the engine's store
+    would, with budgets the policy's obligation: a move that would not fit is dropped instead
+    of overfilling a tier. Spills off the device are batched into one write per tier, issued
+    when the decision's actions are all done; the device frees their bytes when it ends."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.spills: dict[str, list[int]] = {}  # tier -> sizes of the chunks spilled there
+
+    @property
+    def tiers(self) -> Sequence[str]:
+        store = self.replica.store
+        return list(store.tiers) if store is not None else []
+
+    def chunks(self, session_id: str) -> Sequence[str | None] | None:
+        session = self.replica.sessions.get(session_id)
+        return session.tiers if session is not None else None
+
+    def move(self, session_id: str, index: int, tier: str, form: str) -> str | None:
+        replica = self.replica
+        if form != "full":
+            raise KvtierError(
+                f"policy {replica.policy.name!r} asked for form {form!r}; the "
+                "simulator does not model compressed KV yet"
+            )
+        session = replica.sessions[session_id]
+        size, source, chunk = session.sizes[index], session.tiers[index], session.chunk(index)
+        target = replica.store.tiers[tier]
+        session.changed()
+        if source == "device" and session.copied[index]:
+            # the copy becomes the chunk: the device frees its bytes now, with no transfer
+            replica._forget_copy(session, index)
+            session.tiers[index] = source = replica.top_tier
+            replica.used -= size
+            replica.epoch += 1
+            if tier == source:
+                return None
+        if tier == replica.top_tier:
+            replica._reclaim(target, size)
+        if not target.fits(size):
+            replica._drop_chunk(session, index)
+        elif source == "device":
+            if replica.store.put(chunk, Payload.sized(size), tier=tier):
+                session.tiers[index] = tier
+                replica.pending_free += size
+                self.spills.setdefault(tier, []).append(size)
+            else:
+                replica._drop_chunk(session, index)
+        else:
+            moved = replica.store.demote(chunk.id, to=tier)
+            session.tiers[index] = tier if moved else None
+            if moved:
+                replica._write(tier, [size], None)
+        return None
+
+    def drop(self, session_id: str, index: int) -> None:
+        self.replica._drop_chunk(self.replica.sessions[session_id], index)
+
+    def flush(self) -> None:
+        for tier, sizes in self.spills.items():
+            self.replica._write(tier, sizes, self.replica._spilled)
+        self.spills = {}
+
+
 class Replica:
     def __init__(
         self,
@@ -209,6 +275,8 @@ class Replica:
         self._stall_ranges: list[tuple[RequestRecord, int, int]] = []
         self.dropped: Counter[str] = Counter()  # bytes dropped per lower tier
         self.metrics = PolicyMetrics()
+        # the engine's interpreter of actions, over this replica's size-only store
+        self.executor = ActionExecutor(ReplicaChunks(self))
         self.policy_s = 0.0  # wall time spent in the policy's decide(): what the loop waits on
 
     @property
@@ -686,61 +754,7 @@ class Replica:
         actions = self.policy.decide(view, self.loop.now)
         self.policy_s += time.perf_counter() - started
         self.metrics.record(view, actions)
-        self._apply(actions)
-
-    def _apply(self, actions: Sequence[Action]) -> None:
-        """Run the actions in order, as the engine's store would (budgets are the policy's
-        obligation; a move that would not fit is dropped instead of overfilling a tier)."""
-        spills: dict[str, list[int]] = {}
-        for action in actions:
-            if isinstance(action, Keep):
-                continue
-            session = self.sessions[action.session_id]
-            indices = session.stored() if action.chunk_idx is None else [action.chunk_idx]
-            for i in indices:
-                source = session.tiers[i]
-                if source is None or isinstance(action, Drop):
-                    if source is not None:
-                        self._drop_chunk(session, i)
-                    continue
-                if action.form != "full":
-                    raise KvtierError(
-                        f"policy {self.policy.name!r} asked for form {action.form!r}; the "
-                        "simulator does not model compressed KV yet"
-                    )
-                if action.tier != source:
-                    self._move(session, i, action.tier, spills)
-            session.changed()
-        for tier, sizes in spills.items():
-            self._write(tier, sizes, self._spilled)
-
-    def _move(self, session: SimSession, i: int, tier: str, spills: dict[str, list[int]]) -> None:
-        size, source, chunk = session.sizes[i], session.tiers[i], session.chunk(i)
-        target = self.store.tiers.get(tier) if self.store is not None else None
-        if source == "device" and session.copied[i]:
-            # the copy becomes the chunk: the device frees its bytes now, with no transfer
-            self._forget_copy(session, i)
-            session.tiers[i] = source = self.top_tier
-            self.used -= size
-            self.epoch += 1
-            if tier == source:
-                return
-        if target is not None and tier == self.top_tier:
-            self._reclaim(target, size)
-        if target is None or not target.fits(size):
-            self._drop_chunk(session, i)
-        elif source == "device":
-            if self.store.put(chunk, Payload.sized(size), tier=tier):
-                session.tiers[i] = tier
-                self.pending_free += size
-                spills.setdefault(tier, []).append(size)
-            else:
-                self._drop_chunk(session, i)
-        else:
-            moved = self.store.demote(chunk.id, to=tier)
-            session.tiers[i] = tier if moved else None
-            if moved:
-                self._write(tier, [size], None)
+        self.executor.run(actions)
 
     def _drop_chunk(self, session: SimSession, i: int) -> None:
         tier = session.tiers[i]
