@@ -56,9 +56,11 @@ class TiersConfig:
     host_bytes: int = 1 << 30
     disk_bytes: int = 0
     disk_dir: str | Path | None = None
+    disk_persist: bool = False  # keep the disk tier's chunks across restarts (and recover them)
     redis_url: str | None = None
     redis_bytes: int = 1 << 30
     redis_prefix: str = "kvt"
+    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     redis_timeout_s: float = 0.25
     chunk_tokens: int = 256
     encrypt: bool = False

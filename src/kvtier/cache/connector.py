@@ -128,6 +128,7 @@ class TieredConnector(BlockEventListener):
             forms=self.tier_forms,
             recode=self.chunk_forms.recode,
         )
+        self.store.recover()  # what a persistent disk tier and Redis kept from earlier runs
         self.mover = Mover(
             self.store, spill_queue=tiers_config.spill_queue, retries=tiers_config.retries
         )
@@ -164,7 +165,14 @@ class TieredConnector(BlockEventListener):
             slot = self.chunk_forms.nbytes(1, c.tier_forms()["host"])
             tiers.append(HostTier(c.host_bytes, slot_bytes=slot))
         if c.disk_bytes and c.disk_dir is not None:
-            tiers.append(DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer if c.encrypt else None))
+            tiers.append(
+                DiskTier(
+                    c.disk_dir,
+                    c.disk_bytes,
+                    sealer=sealer if c.encrypt else None,
+                    persist=c.disk_persist,
+                )
+            )
         if c.redis_url:
             tiers.append(
                 RedisTier(
@@ -172,6 +180,7 @@ class TieredConnector(BlockEventListener):
                     c.redis_bytes,
                     prefix=c.redis_prefix,
                     timeout_s=c.redis_timeout_s,
+                    cluster=c.redis_cluster,
                     sealer=sealer if remote == "encrypt" else None,
                     signer=Signer(master) if remote == "mac" else None,
                 )
@@ -301,6 +310,13 @@ class TieredConnector(BlockEventListener):
     # ----- requests ------------------------------------------------------------------------
 
     def on_request_added(self, request: Request) -> None:
+        # chunks of this prompt another replica (or an earlier run) put in a shared tier
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.store.discover(
+            request.keys_of_full_blocks(self.block_size)[:max_blocks],
+            self.namespace_of(request),
+            len(self.engine.kv_manager.find_cached_prefix(request)),
+        )
         if not self.config.prefetch or self.config.restore == "recompute" or not len(self.store):
             return  # (chunks only staged are read from their bytes at admission)
         start = len(self.engine.kv_manager.find_cached_prefix(request))

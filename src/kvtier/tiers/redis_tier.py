@@ -218,6 +218,35 @@ class RedisTier(TierBackend):
                 if namespace != _UNREADABLE
             ]
 
+    shared = True  # replicas write the same keys: the store asks here on a local miss
+
+    def find(self, keys: Sequence[bytes], *, namespace: str = "") -> list[TierEntry | None]:
+        """Which of `keys` the server holds, written by this process or any other: one
+        pipeline of STRLEN (0: absent), then one of head reads for those present; each call
+        bounded by `timeout_s`. Heads that do not name the key asked for are not entries."""
+        try:
+            rkeys = [self.redis_key(key, namespace) for key in keys]
+            lengths = self._call(lambda client: _pipelined(client, "strlen", rkeys))
+            present = [i for i, n in enumerate(lengths) if isinstance(n, int) and n > 0]
+            if not present:
+                return [None] * len(keys)
+            probes = self._call(
+                lambda client: _pipelined(
+                    client, "getrange", [rkeys[i] for i in present], 0, _HEAD_PROBE_BYTES - 1
+                )
+            )
+        except TierError as exc:
+            log.debug("%s: find failed: %s", self.name, exc)
+            return [None] * len(keys)
+        found: list[TierEntry | None] = [None] * len(keys)
+        for i, probe in zip(present, probes, strict=True):
+            with contextlib.suppress(TierError, ValueError, TypeError):
+                head = parse_head(probe)
+                if head.key == keys[i] and head.namespace == namespace and not head.tombstone:
+                    form = Payload.from_meta(None, 0, head.meta).form
+                    found[i] = TierEntry(keys[i], namespace, head.payload_nbytes, form)
+        return found
+
     def close(self) -> None:
         with self._link:
             client, self._client = self._client, None
@@ -506,3 +535,12 @@ class RedisTier(TierBackend):
         if held is not None:
             self._used -= held.stored_bytes
         return held is not None
+
+
+def _pipelined(client: Any, command: str, rkeys: Sequence[bytes], *args: Any) -> list[Any]:
+    """`command(rkey, *args)` for every key in one pipeline; failed replies come back as
+    exceptions in the list."""
+    pipe = client.pipeline(transaction=False)
+    for rkey in rkeys:
+        getattr(pipe, command)(rkey, *args)
+    return pipe.execute(raise_on_error=False)
