@@ -9,32 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.serve_process import (
-    BIN,
-    SMALL_POOL,
-    ServeProcess,
-    Turn,
-    conversation,
-    metric,
-)
+from tests.server.serve_process import BIN, SMALL_POOL, ServeProcess, Turn, conversation, metric
 from tests.tiers.conftest import RedisServer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Turn, Turn]:
-    """The conversation on a server without tiers: the resumed turn is recomputed."""
-    log = tmp_path_factory.mktemp("reference") / "serve.log"
-    server = ServeProcess(log, *SMALL_POOL, "--host-bytes", "0").start()
-    try:
-        first, second = conversation(server.base_url)
-    finally:
-        server.stop()
-    assert "tiers: none" in server.output
-    assert second.sources["recomputed"] > 0
-    assert second.sources["host"] == second.sources["disk"] == second.sources["remote"] == 0
-    return first, second
 
 
 def check_restored(turns: tuple[Turn, Turn], reference: tuple[Turn, Turn], tier: str) -> None:

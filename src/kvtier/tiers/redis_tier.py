@@ -235,7 +235,8 @@ class RedisTier(TierBackend):
                     client, "getrange", [rkeys[i] for i in present], 0, _HEAD_PROBE_BYTES - 1
                 )
             )
-        except TierError as exc:
+        except TierError as exc:  # counted, not logged each time: see TierBackend._failed
+            self.stats.add(errors=1)
             log.debug("%s: find failed: %s", self.name, exc)
             return [None] * len(keys)
         found: list[TierEntry | None] = [None] * len(keys)
