@@ -78,3 +78,15 @@ def test_a_frozen_redis_holds_nobody_up_and_late_finds_still_count(own_redis, ma
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert reader.snapshot()["discovered"] == 1
+
+
+def test_a_redis_that_bounds_nothing_is_warned_about_once(spawn_redis, caplog):
+    unbounded = spawn_redis()
+    bounded = spawn_redis("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
+    with caplog.at_level("WARNING", logger="kvtier.tiers.redis_tier"):
+        for server in (unbounded, bounded):
+            tier = RedisTier(server.url, 1 << 20, signer=None, sealer=None)
+            tier.contains(b"x")
+            tier.contains(b"y")
+    warned = [r.getMessage() for r in caplog.records if "maxmemory=" in r.getMessage()]
+    assert len(warned) == 1 and unbounded.url in warned[0]

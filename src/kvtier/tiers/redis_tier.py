@@ -126,6 +126,7 @@ class RedisTier(TierBackend):
         self._down_until = 0.0
         self._failures = 0
         self._resync = True  # the held-keys count is rebuilt from the server at first contact
+        self._budget_checked = False  # the server's own bound, checked once (first contact)
 
     # -- budget --------------------------------------------------------------------------
 
@@ -495,6 +496,9 @@ class RedisTier(TierBackend):
         if excess:
             client.delete(*[held.rkey for _, held in excess])
         self._report(excess)
+        if not self._budget_checked:
+            self._budget_checked = True
+            self._check_server_budget(client)
         log.info(
             "%s: counted %d keys (%d bytes) under %s:*",
             self.name,
@@ -502,6 +506,27 @@ class RedisTier(TierBackend):
             self._used,
             self.prefix,
         )
+
+    def _check_server_budget(self, client: Any) -> None:
+        """Warn once when the server itself bounds nothing. This tier counts only its own
+        writes, so under several replicas the global budget is Redis's: `maxmemory` with an
+        evicting policy (docs/tiers.md, "Replicas")."""
+        if self.cluster:
+            return  # INFO answers per node; each node's own settings apply
+        try:
+            memory = client.info("memory")
+        except (RedisError, OSError):
+            return  # INFO may be renamed or refused on managed servers: nothing to check
+        limit, policy = memory.get("maxmemory", 0), memory.get("maxmemory_policy", "")
+        if not limit or policy == "noeviction":
+            log.warning(
+                "%s: redis at %s has maxmemory=%s, maxmemory-policy=%s: nothing bounds what "
+                "all replicas together store there; set maxmemory and allkeys-lru",
+                self.name,
+                self.url,
+                limit,
+                policy,
+            )
 
     # -- bookkeeping (under self._lock) --------------------------------------------------
 
