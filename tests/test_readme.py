@@ -41,7 +41,10 @@ class Run:
 
 @dataclass(frozen=True)
 class WithServer:
-    """A `kvtier serve` line or a client line: run together in `test_server_examples`."""
+    """A `kvtier serve` line or a client line: run together in `test_server_examples`, which
+    picks the serve lines by `role`."""
+
+    role: str = "client"
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ CURL_CHAT = _canon(
     """-d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'"""
 )
 
+SERVE_TIERS = "kvtier serve --host-bytes 1GiB --disk-dir out/kv-cache --policy cost"
 
 # Engine runs are kept small: fewer policies, sessions, tasks; the flags are the README's own.
 HOW: dict[str, Run | WithServer | ByCi] = {
@@ -98,9 +102,10 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         "kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4k --samples 4": Run(
             ("--tasks", "passkey", "--samples", "1", "--out", "out/e2")
         ),
-        "kvtier serve --port 8000": WithServer(),
+        "kvtier serve --port 8000": WithServer("plain"),
         "kvtier serve --tenant acme:sk-acme:268435456 --tenant beta:sk-beta "
-        "--admin-key sk-admin": WithServer(),
+        "--admin-key sk-admin": WithServer("tenants"),
+        SERVE_TIERS: WithServer("tiers"),
         CURL_CHAT: WithServer(),
         "kvtier model prepare": Run(),
         "kvtier model info": Run(),
@@ -223,10 +228,11 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 @pytest.mark.slow
 def test_server_examples(readme_out: Path) -> None:
-    """Both serve lines start and answer; the curl line gets a chat completion from the first
-    (no keys), and a tenant key is needed on the second."""
-    plain, tenants = (c for c, how in HOW.items() if isinstance(how, WithServer) and c != CURL_CHAT)
-    process, port = _start(plain, readme_out)
+    """Every serve line starts and answers: the curl line gets a chat completion from the
+    plain one (no keys); a tenant key is needed on the tenants one; the tiers one answers with
+    the usage split by source and has made its disk tier's folder."""
+    roles = {how.role: c for c, how in HOW.items() if isinstance(how, WithServer)}
+    process, port = _start(roles["plain"], readme_out)
     try:
         result = _run(_argv(shlex.split(CURL_CHAT), readme_out, port), timeout_s=120)
         assert result.returncode == 0, result.stderr
@@ -234,7 +240,7 @@ def test_server_examples(readme_out: Path) -> None:
         assert reply["choices"][0]["message"]["content"], reply
     finally:
         _stop(process)
-    process, port = _start(tenants, readme_out)
+    process, port = _start(roles["tenants"], readme_out)
     try:
         curl = _argv(shlex.split(CURL_CHAT), readme_out, port)
         denied = _run([*curl, "-w", "\n%{http_code}"], timeout_s=120)
@@ -243,3 +249,11 @@ def test_server_examples(readme_out: Path) -> None:
         assert json.loads(allowed.stdout)["choices"][0]["message"]["content"], allowed.stdout
     finally:
         _stop(process)
+    process, port = _start(roles["tiers"], readme_out)
+    try:
+        result = _run(_argv(shlex.split(CURL_CHAT), readme_out, port), timeout_s=120)
+        usage = json.loads(result.stdout)["usage"]
+        assert set(usage["kvtier"]["prompt_token_sources"]) >= {"host", "disk", "remote"}
+    finally:
+        _stop(process)
+    assert any((readme_out / "out/kv-cache").iterdir())  # the disk tier's folder (its lock file)

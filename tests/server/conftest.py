@@ -106,3 +106,21 @@ def wait_idle(engine, timeout: float = 20.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: {engine.stats()}")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The tier tests' conversation (serve_process.py) on a `kvtier serve` without tiers:
+    its resumed turn is recomputed. Their answers must equal these."""
+    from tests.server.serve_process import SMALL_POOL, ServeProcess, conversation
+
+    log = tmp_path_factory.mktemp("reference") / "serve.log"
+    server = ServeProcess(log, *SMALL_POOL, "--host-bytes", "0").start()
+    try:
+        first, second = conversation(server.base_url)
+    finally:
+        server.stop()
+    assert "tiers: none" in server.output
+    assert second.sources["recomputed"] > 0
+    assert second.sources["host"] == second.sources["disk"] == second.sources["remote"] == 0
+    return first, second

@@ -56,9 +56,11 @@ class TiersConfig:
     host_bytes: int = 1 << 30
     disk_bytes: int = 0
     disk_dir: str | Path | None = None
+    disk_persist: bool = False  # keep the disk tier's chunks across restarts (and recover them)
     redis_url: str | None = None
     redis_bytes: int = 1 << 30
     redis_prefix: str = "kvt"
+    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
     redis_timeout_s: float = 0.25
     chunk_tokens: int = 256
     encrypt: bool = False
@@ -113,10 +115,12 @@ class TiersConfig:
             host_slot_bytes=host_slot_bytes,
             disk_dir=self.disk_dir,
             disk_bytes=self.disk_bytes,
+            disk_persist=self.disk_persist,
             seal_disk=self.encrypt,
             redis_url=self.redis_url,
             redis_bytes=self.redis_bytes,
             redis_prefix=self.redis_prefix,
+            redis_cluster=self.redis_cluster,
             redis_timeout_s=self.redis_timeout_s,
             remote_integrity=self.remote_integrity(),
             key=self.encrypt_key,

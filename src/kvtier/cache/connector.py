@@ -94,6 +94,7 @@ class TieredConnector:
             forms=self.tier_forms,
             recode=self.chunk_forms.recode,
         )
+        self.store.recover()  # what a persistent disk tier and Redis kept from earlier runs
         self.mover = Mover(self.store, spill_queue=config.spill_queue, retries=config.retries)
         self.writes = BackgroundWrites(self.mover, self.store.order[0])
         self.chunks = Chunks(
@@ -170,6 +171,7 @@ class TieredConnector:
     # ----- scheduler side ----------------------------------------------------------------
 
     def on_request_added(self, request: Request) -> None:
+        self.restorer.discover(request)  # chunks another replica or an earlier run stored
         self.restorer.prefetch(request)
 
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:

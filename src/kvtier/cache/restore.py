@@ -82,6 +82,13 @@ class Restorer:
 
     # ----- scheduler side --------------------------------------------------------------
 
+    def discover(self, request: Request) -> None:
+        """Index the chunks of this prompt a shared tier holds that this process has not seen
+        (another replica wrote them, or an earlier run), from its device hits on."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = request.keys_of_full_blocks(self.block_size)[:max_blocks]
+        self.store.discover(keys, self.chunks.namespace_of(request), self.chunks.cached_run(keys))
+
     def prefetch(self, request: Request) -> None:
         c = self.config
         if not c.prefetch or c.restore == "recompute" or not len(self.store):

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
 from kvtier.server.config import ServerConfig
-from kvtier.server.metrics import ServerMetrics
+from kvtier.server.metrics import ServerMetrics, prompt_token_sources
 from kvtier.server.middleware import BodyLimitMiddleware, InternalErrorMiddleware
 from kvtier.server.protocol import (
     ChatCompletionRequest,
@@ -115,6 +115,23 @@ class ServerState:
         self.in_flight_by_tenant[caller.tenant] = self.in_flight_by_tenant.get(caller.tenant, 0) + 1
         self.metrics.http_in_flight.labels(self.config.model_name, caller.tenant).inc()
         self.idle.clear()
+
+    def observe_finished(
+        self, caller: Caller, session_id: str | None, out: RequestOutput, num_output_tokens: int
+    ) -> None:
+        self.metrics.observe_finished(
+            caller.tenant, out, num_output_tokens, self._turn_kind(session_id, out.request_id)
+        )
+
+    def _turn_kind(self, session_id: str | None, request_id: str) -> str | None:
+        """new / continuing / resumed, as the engine's session tracker classified the turn."""
+        if session_id is None:
+            return None
+        with contextlib.suppress(RuntimeError):  # the step thread appended meanwhile: unknown
+            for turn in reversed(self.engine.sessions.turns(session_id)):
+                if turn.request_id == request_id:
+                    return str(turn.kind)
+        return None
 
     def release(self, caller: Caller) -> None:
         self.in_flight -= 1
@@ -372,7 +389,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         stream = engine.stream(token_ids, params, request_id, session_id, who.salt)
         try:
             if not streaming:
-                return await _complete(request, state, who, kind, request_id, stream)
+                return await _complete(request, state, who, kind, request_id, session_id, stream)
             # Start the request before answering, so input the engine refuses is still a 4xx.
             first = await _first(stream)
         except BaseException:
@@ -385,7 +402,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             if not streaming:
                 state.release(who)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sse = _sse(state, who, kind, request_id, first, stream, include_usage)
+        sse = _sse(state, who, kind, request_id, session_id, first, stream, include_usage)
         return StreamingResponse(
             sse,
             media_type="text/event-stream",
@@ -539,11 +556,16 @@ def _sampling_params(body: Any, max_tokens: int) -> SamplingParams:
 
 
 def _usage(out: RequestOutput, num_output_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage, plus `kvtier.prompt_token_sources`: where the prompt's KV came from
+    (device, host, disk, remote, recomputed). `cached_tokens` is every prompt token not
+    recomputed, device hits and restored tokens alike."""
+    sources = prompt_token_sources(out)
     return {
         "prompt_tokens": out.num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": out.num_prompt_tokens + num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens or 0},
+        "prompt_tokens_details": {"cached_tokens": out.num_prompt_tokens - sources["recomputed"]},
+        "kvtier": {"prompt_token_sources": sources},
     }
 
 
@@ -558,6 +580,7 @@ async def _complete(
     who: Caller,
     kind: str,
     request_id: str,
+    session_id: str | None,
     stream: AsyncIterator[RequestOutput],
 ) -> Response:
     """Run a non-streaming request; a client that disconnects cancels it (blocks freed)."""
@@ -592,7 +615,7 @@ async def _complete(
         raise
     text, n, last = task.result()
     _check_error(last)
-    state.metrics.observe_finished(who.tenant, last, n)
+    state.observe_finished(who, session_id, last, n)
     model = state.config.model_name
     created = int(time.time())
     if kind == "chat":
@@ -628,6 +651,7 @@ async def _sse(
     who: Caller,
     kind: str,
     request_id: str,
+    session_id: str | None,
     first: RequestOutput,
     stream: AsyncIterator[RequestOutput],
     include_usage: bool,
@@ -687,7 +711,7 @@ async def _sse(
                 break
             out = await anext(stream, None)
         if last.finished:
-            state.metrics.observe_finished(who.tenant, last, n)
+            state.observe_finished(who, session_id, last, n)
         if include_usage:
             usage_chunk = {
                 "id": request_id,

@@ -1,4 +1,5 @@
-"""`kvtier serve`: an OpenAI-compatible server with sessions, tenants and Prometheus metrics.
+"""`kvtier serve`: an OpenAI-compatible server with sessions, tenants, KV tiers, a retention
+policy and Prometheus metrics.
 
 Module-level imports stay light (argparse only): the CLI imports every command to build its
 parser, and `kvtier plan` must not pay for torch or FastAPI.
@@ -7,7 +8,10 @@ parser, and `kvtier plan` must not pay for torch or FastAPI.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
@@ -16,7 +20,11 @@ from kvtier.workload.flags import add_hidden_alias
 if TYPE_CHECKING:
     import uvicorn
 
+    from kvtier.engine import Engine
     from kvtier.server.config import ServerConfig
+
+CONFIG_ENV = "KVTIER_CONFIG"  # as kvtier.policy.config: the file when no --config is given
+DEFAULT_CONFIG = "kvtier.toml"
 
 
 def port_number(text: str) -> int:
@@ -32,7 +40,10 @@ def port_number(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", default=None, help="TOML file with a [server] (and [compression]) table"
+        "--config",
+        default=None,
+        help="kvtier.toml: [server], [tiers], [policy], [compression] tables "
+        f"(default: ${CONFIG_ENV}, else ./{DEFAULT_CONFIG} when present)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
@@ -80,12 +91,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    from kvtier.server.tier_flags import add_tier_arguments
+
+    add_tier_arguments(parser)
+    policy = parser.add_argument_group("retention policy (the [policy] table)")
+    policy.add_argument(
+        "--policy",
+        metavar="NAME",
+        help="cost (default), retain, recompute, offload, ttl, a plugin or module:Class",
+    )
+    policy.add_argument(
+        "--policy-set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="set a [policy] key, e.g. interval_s=2 (repeatable)",
+    )
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    """The config file: --config, else $KVTIER_CONFIG, else ./kvtier.toml when present."""
+    path = args.config or os.environ.get(CONFIG_ENV)
+    if path is None and Path(DEFAULT_CONFIG).is_file():
+        path = DEFAULT_CONFIG
+    return path
 
 
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
     from kvtier.server.config import ServerConfig, parse_tenant_flag
 
-    config = ServerConfig.from_toml(args.config) if args.config else ServerConfig()
+    path = config_path(args)
+    config = ServerConfig.from_toml(path) if path else ServerConfig()
     for flag in args.tenant:
         tenant = parse_tenant_flag(flag)
         config.tenants[tenant.name] = tenant
@@ -149,21 +185,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.socket) -> None:
-    import logging
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine with its tiers and retention policy, from the config file and the flags:
+    the one place `kvtier serve` builds it. Bad settings fail here, before the model loads."""
+    from kvtier.cache.setup import CacheConfig
+    from kvtier.cache.setup import build_engine as build_stack
+    from kvtier.engine import EngineConfig
+    from kvtier.policy.config import load_compression, load_config
+    from kvtier.server.tier_flags import tiers_from_args
 
-    import uvicorn
-
-    from kvtier.engine import Engine, EngineConfig
-    from kvtier.policy.config import load_compression
-    from kvtier.server.app import create_app
-
-    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
-    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
+    path = config_path(args)
+    tiers = tiers_from_args(args, path)
+    policy = load_config(path, env=os.environ, settings=args.policy_set, policy=args.policy)
     engine_kwargs = {
         # the same file's [compression] table: every request's pipeline ("auto" is refused:
         # a server has not observed its workload when it starts)
-        "compression": load_compression(args.config).build(),
+        "compression": load_compression(path).build(),
         "model_dir": args.model,
         "dtype": args.dtype,
         "device": args.device,
@@ -173,10 +210,28 @@ def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.so
         "max_model_len": args.max_model_len,
         "num_threads": args.num_threads,
     }
-    engine = Engine(EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None}))
+    config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
+    cache = None if tiers is None else CacheConfig(tiers, policy.name, policy)
+    return build_stack(config, cache)
+
+
+def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.socket) -> None:
+    import logging
+
+    import uvicorn
+
+    from kvtier.server.app import create_app
+    from kvtier.server.summary import startup_summary
+
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
+    engine = build_engine(args)
     app = create_app(engine, server_config)
     try:
         config = uvicorn_config(app, server_config, sock, args.log_level)
+        host, port = sock.getsockname()[:2]
+        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        print(startup_summary(engine, server_config, address), file=sys.stderr, flush=True)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.close()

@@ -1,10 +1,13 @@
-"""Prometheus metrics, named like vLLM's (`vllm:` -> `kvtier:`), one registry per app."""
+"""Prometheus metrics, named like vLLM's (`vllm:` -> `kvtier:`), one registry per app; the
+tier and policy figures (kvtier's own) come from the engine's stats at each scrape."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import EngineStats, RequestOutput
@@ -79,6 +82,63 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+
+
+SOURCES = ("device", "host", "disk", "remote", "recomputed")
+RESTORED = ("host", "disk", "remote")  # fastest first
+
+
+def prompt_token_sources(out: RequestOutput) -> dict[str, int]:
+    """Prompt tokens by where their KV came from, every source listed. Without tiers the
+    engine reports none: device = the prefix-cache hit, the rest recomputed."""
+    reported = out.metrics.prompt_token_sources if out.metrics is not None else {}
+    if reported:
+        return {source: int(reported.get(source, 0)) for source in SOURCES}
+    cached = out.num_cached_tokens or 0
+    sources = dict.fromkeys(SOURCES, 0)
+    sources["device"], sources["recomputed"] = cached, out.num_prompt_tokens - cached
+    return sources
+
+
+def restore_source(sources: dict[str, int]) -> str:
+    """The tier most of the restored tokens came from (ties: the slower one); device when
+    nothing was restored but something hit on device; else recomputed."""
+    tokens, _, tier = max((sources[tier], i, tier) for i, tier in enumerate(RESTORED))
+    if tokens:
+        return tier
+    return "device" if sources["device"] else "recomputed"
+
+
+class TierCollector:
+    """Tier budgets and the policy's decision counts from the engine stats of the last
+    scrape: the engine keeps the cumulative counts, so they are reported as they are."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.tiers: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.tiers is None:
+            return
+        labels = ["model_name", "tier"]
+        used = GaugeMetricFamily("kvtier:tier_used_bytes", "Bytes a KV tier holds.", labels=labels)
+        capacity = GaugeMetricFamily(
+            "kvtier:tier_capacity_bytes", "A KV tier's budget in bytes.", labels=labels
+        )
+        chunks = GaugeMetricFamily("kvtier:tier_chunks", "Chunks a KV tier holds.", labels=labels)
+        for tier, figures in self.tiers.get("tiers", {}).items():
+            used.add_metric([self.model_name, tier], figures.get("used_bytes", 0))
+            capacity.add_metric([self.model_name, tier], figures.get("capacity_bytes", 0))
+            chunks.add_metric([self.model_name, tier], figures.get("chunks", 0))
+        decisions = CounterMetricFamily(
+            "kvtier:policy_decisions",
+            "Retention policy decisions about paused sessions' KV, by kind.",
+            labels=["model_name", "policy", "decision"],
+        )
+        policy = str(self.tiers.get("policy", ""))
+        for decision, count in self.tiers.get("decisions", {}).items():
+            decisions.add_metric([self.model_name, policy, decision], count)
+        yield from (used, capacity, chunks, decisions)
 
 
 class ServerMetrics:
@@ -171,6 +231,23 @@ class ServerMetrics:
             mt,
             registry=r,
         )
+        self.prompt_tokens_by_source = Counter(
+            "kvtier:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: device (prefix cache), host, disk or "
+            "remote (restored from a tier), recomputed.",
+            ["model_name", "tenant", "source"],
+            registry=r,
+        )
+        self.resumed_ttft = Histogram(
+            "kvtier:resumed_turn_ttft_seconds",
+            "Time to first token of resumed turns (a session back after a pause), by where "
+            "most of the restored KV came from.",
+            ["model_name", "tenant", "source"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tier_collector = TierCollector(model_name)
+        r.register(self.tier_collector)
         self.tenant_quota_evictions = Gauge(
             "kvtier:tenant_quota_evicted_blocks",
             "Blocks dropped to hold the tenant's quota.",
@@ -178,8 +255,18 @@ class ServerMetrics:
             registry=r,
         )
 
-    def observe_finished(self, tenant: str, out: RequestOutput, num_output_tokens: int) -> None:
+    def observe_finished(
+        self,
+        tenant: str,
+        out: RequestOutput,
+        num_output_tokens: int,
+        turn_kind: str | None = None,
+    ) -> None:
         labels = (self.model_name, tenant)
+        sources = prompt_token_sources(out)
+        for source, tokens in sources.items():
+            if tokens:
+                self.prompt_tokens_by_source.labels(*labels, source).inc(tokens)
         self.request_success.labels(self.model_name, tenant, out.finish_reason or "unknown").inc()
         self.prompt_tokens.labels(*labels).inc(out.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(num_output_tokens)
@@ -191,6 +278,9 @@ class ServerMetrics:
             return
         if metrics.ttft_s is not None:
             self.ttft.labels(*labels).observe(metrics.ttft_s)
+            if turn_kind == "resumed":
+                source = restore_source(sources)
+                self.resumed_ttft.labels(*labels, source).observe(metrics.ttft_s)
         itl = self.itl.labels(*labels)
         for gap in metrics.itl_s:
             itl.observe(gap)
@@ -204,6 +294,7 @@ class ServerMetrics:
         self.kv_cache_usage.labels(name).set(stats.kv_usage)
         self.kv_blocks_cached_idle.labels(name).set(stats.kv_blocks_cached_idle)
         self.num_preemptions.labels(name).set(stats.num_preemptions)
+        self.tier_collector.tiers = stats.tiers
         for t in tenants:
             self.tenant_cached_bytes.labels(name, t.tenant).set(t.cached_bytes)
             self.tenant_idle_bytes.labels(name, t.tenant).set(t.idle_bytes)

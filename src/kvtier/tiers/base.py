@@ -159,6 +159,16 @@ class TierBackend(ABC):
         """What survived a restart, oldest first; volatile tiers have nothing."""
         return []
 
+    # A tier other processes write to as well (Redis shared by replicas): the store asks it
+    # about chunks its own index does not have (`find`).
+    shared = False
+
+    def find(self, keys: Sequence[bytes], *, namespace: str = "") -> list[TierEntry | None]:
+        """For each key, its entry if this tier holds it (written by any process), else None;
+        one batched, timeout-bounded call. Never raises: a failure finds nothing. Tiers only
+        this process writes have nothing to add to the store's index."""
+        return [None] * len(keys)
+
     def close(self) -> None:  # noqa: B027 (optional hook: volatile tiers hold nothing to release)
         """Release files, memory and connections."""
 

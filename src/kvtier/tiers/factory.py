@@ -38,6 +38,7 @@ class StorageConfig:
     redis_url: str | None = None
     redis_bytes: int = 0
     redis_prefix: str = "kvt"
+    redis_cluster: bool = False
     redis_timeout_s: float = 0.25
     remote_integrity: RemoteIntegrity = "none"
     key: bytes | None = None
@@ -68,6 +69,7 @@ def build_tiers(config: StorageConfig) -> list[TierBackend]:
                 c.redis_bytes,
                 prefix=c.redis_prefix,
                 timeout_s=c.redis_timeout_s,
+                cluster=c.redis_cluster,
                 sealer=sealer if c.remote_integrity == "encrypt" else None,
                 signer=Signer(master) if c.remote_integrity == "mac" else None,
             )

@@ -126,6 +126,7 @@ class RedisTier(TierBackend):
         self._down_until = 0.0
         self._failures = 0
         self._resync = True  # the held-keys count is rebuilt from the server at first contact
+        self._budget_checked = False  # the server's own bound, checked once (first contact)
 
     # -- budget --------------------------------------------------------------------------
 
@@ -217,6 +218,36 @@ class RedisTier(TierBackend):
                 for (namespace, key), held in self._held.items()
                 if namespace != _UNREADABLE
             ]
+
+    shared = True  # replicas write the same keys: the store asks here on a local miss
+
+    def find(self, keys: Sequence[bytes], *, namespace: str = "") -> list[TierEntry | None]:
+        """Which of `keys` the server holds, written by this process or any other: one
+        pipeline of STRLEN (0: absent), then one of head reads for those present; each call
+        bounded by `timeout_s`. Heads that do not name the key asked for are not entries."""
+        try:
+            rkeys = [self.redis_key(key, namespace) for key in keys]
+            lengths = self._call(lambda client: _pipelined(client, "strlen", rkeys))
+            present = [i for i, n in enumerate(lengths) if isinstance(n, int) and n > 0]
+            if not present:
+                return [None] * len(keys)
+            probes = self._call(
+                lambda client: _pipelined(
+                    client, "getrange", [rkeys[i] for i in present], 0, _HEAD_PROBE_BYTES - 1
+                )
+            )
+        except TierError as exc:  # counted, not logged each time: see TierBackend._failed
+            self.stats.add(errors=1)
+            log.debug("%s: find failed: %s", self.name, exc)
+            return [None] * len(keys)
+        found: list[TierEntry | None] = [None] * len(keys)
+        for i, probe in zip(present, probes, strict=True):
+            with contextlib.suppress(TierError, ValueError, TypeError):
+                head = parse_head(probe)
+                if head.key == keys[i] and head.namespace == namespace and not head.tombstone:
+                    form = Payload.from_meta(None, 0, head.meta).form
+                    found[i] = TierEntry(keys[i], namespace, head.payload_nbytes, form)
+        return found
 
     def close(self) -> None:
         with self._link:
@@ -465,6 +496,9 @@ class RedisTier(TierBackend):
         if excess:
             client.delete(*[held.rkey for _, held in excess])
         self._report(excess)
+        if not self._budget_checked:
+            self._budget_checked = True
+            self._check_server_budget(client)
         log.info(
             "%s: counted %d keys (%d bytes) under %s:*",
             self.name,
@@ -472,6 +506,27 @@ class RedisTier(TierBackend):
             self._used,
             self.prefix,
         )
+
+    def _check_server_budget(self, client: Any) -> None:
+        """Warn once when the server itself bounds nothing. This tier counts only its own
+        writes, so under several replicas the global budget is Redis's: `maxmemory` with an
+        evicting policy (docs/tiers.md, "Replicas")."""
+        if self.cluster:
+            return  # INFO answers per node; each node's own settings apply
+        try:
+            memory = client.info("memory")
+        except (RedisError, OSError):
+            return  # INFO may be renamed or refused on managed servers: nothing to check
+        limit, policy = memory.get("maxmemory", 0), memory.get("maxmemory_policy", "")
+        if not limit or policy == "noeviction":
+            log.warning(
+                "%s: redis at %s has maxmemory=%s, maxmemory-policy=%s: nothing bounds what "
+                "all replicas together store there; set maxmemory and allkeys-lru",
+                self.name,
+                self.url,
+                limit,
+                policy,
+            )
 
     # -- bookkeeping (under self._lock) --------------------------------------------------
 
@@ -506,3 +561,12 @@ class RedisTier(TierBackend):
         if held is not None:
             self._used -= held.stored_bytes
         return held is not None
+
+
+def _pipelined(client: Any, command: str, rkeys: Sequence[bytes], *args: Any) -> list[Any]:
+    """`command(rkey, *args)` for every key in one pipeline; failed replies come back as
+    exceptions in the list."""
+    pipe = client.pipeline(transaction=False)
+    for rkey in rkeys:
+        getattr(pipe, command)(rkey, *args)
+    return pipe.execute(raise_on_error=False)

@@ -42,17 +42,27 @@ log = logging.getLogger(__name__)
 # precise; raises when it cannot read the payload.
 Recode = Callable[[Payload, str], Payload]
 
+# How long a discover() may hold up its caller (the engine admitting a request): two
+# pipelined round trips to a Redis on the same network take about a millisecond.
+DISCOVER_DEADLINE_S = 0.1
 CALLER = "caller"  # the other end of puts and promotes (the engine's device memory)
 DROPPED = "dropped"  # where a chunk demoted off the last tier goes
 
 
 def chunk_id(block_keys: Sequence[bytes]) -> bytes:
     """A chunk's key: a hash of its block keys, stable across processes (like the block keys)."""
+    return prefix_chunk_ids(block_keys)[-1]
+
+
+def prefix_chunk_ids(block_keys: Sequence[bytes]) -> list[bytes]:
+    """The ids of the chunks made of the first 1, 2, ..., all of `block_keys`, hashed once."""
     digest = hashlib.blake2b(digest_size=32, person=b"kvtier.chunk")
+    ids = []
     for key in block_keys:
         digest.update(len(key).to_bytes(2, "little"))
         digest.update(key)
-    return digest.digest()
+        ids.append(digest.copy().digest())
+    return ids or [digest.digest()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +151,8 @@ class TieredStore:
         self.moves: dict[str, MoveStats] = {}
         self.recodes: dict[str, MoveStats] = {}  # "full->int8": conversions, input bytes, time
         self.misses = 0  # promotes of chunks the index does not have
+        self.discovered = 0  # chunks found in a shared tier that this process never indexed
+        self._discovering = False  # a discover() look-up is running
         for tier in tiers:
             tier.on_evict = self._evict_listener(tier.name)
 
@@ -161,6 +173,68 @@ class TieredStore:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def discover(
+        self,
+        block_keys: Sequence[bytes],
+        namespace: str = "",
+        first_block: int = 0,
+        deadline_s: float = DISCOVER_DEADLINE_S,
+    ) -> int:
+        """Index the chunks of a sequence that a shared tier (Redis under several replicas)
+        holds and this index does not: written by another process, or before this one
+        started. Candidates are the grid chunks from the one holding block `first_block` on,
+        at every length (an earlier, shorter turn stores a short chunk); each shared tier is
+        asked once, in one batch.
+
+        The engine calls this while it admits a request, so it waits at most `deadline_s`:
+        the look-up runs on its own thread, and one that comes back later still indexes what
+        it found (for the next turn, or a prefetch). One look-up runs at a time, so a frozen
+        tier holds one thread, not one per request. Returns how many were indexed in time."""
+        shared = [self.tiers[name] for name in self.order if self.tiers[name].shared]
+        if not shared:
+            return 0
+        per_chunk = self.chunk_tokens // self.block_tokens
+        start = first_block - first_block % per_chunk
+        candidates = [
+            cid
+            for first in range(start, len(block_keys), per_chunk)
+            for cid in prefix_chunk_ids(block_keys[first : first + per_chunk])
+        ]
+        with self._lock:
+            unknown = [cid for cid in candidates if cid not in self._index]
+            if not unknown or self._discovering:
+                return 0
+            self._discovering = True
+        found = [0]
+        done = threading.Event()
+
+        def look_up() -> None:
+            try:
+                found[0] = self._find_in(shared, unknown, namespace)
+            finally:
+                with self._lock:
+                    self._discovering = False
+                done.set()
+
+        threading.Thread(target=look_up, name="kvtier-discover", daemon=True).start()
+        return found[0] if done.wait(deadline_s) else 0
+
+    def _find_in(self, shared: Sequence[TierBackend], unknown: list[bytes], namespace: str) -> int:
+        found = 0
+        for tier in shared:
+            if not unknown:
+                break
+            entries = tier.find(unknown, namespace=namespace)
+            with self._lock:
+                for cid, entry in zip(unknown, entries, strict=True):
+                    if entry is not None and cid not in self._index:
+                        self._index[cid] = Placement(tier.name, entry.nbytes, entry.form, namespace)
+                        self._recency[tier.name][cid] = None
+                        self.discovered += 1
+                        found += 1
+            unknown = [cid for cid, entry in zip(unknown, entries, strict=True) if entry is None]
+        return found
 
     # -- movements -----------------------------------------------------------------------
 
@@ -372,7 +446,7 @@ class TieredStore:
         """Budgets and counters of every tier and every direction of movement."""
         with self._lock:
             chunks = {name: len(recency) for name, recency in self._recency.items()}
-            misses = self.misses
+            misses, discovered = self.misses, self.discovered
         return {
             "tiers": {
                 name: {
@@ -386,4 +460,5 @@ class TieredStore:
             "moves": {name: stats.snapshot() for name, stats in sorted(self.moves.items())},
             "recodes": {name: stats.snapshot() for name, stats in sorted(self.recodes.items())},
             "misses": misses,
+            "discovered": discovered,
         }

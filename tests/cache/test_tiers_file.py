@@ -1,0 +1,102 @@
+"""The [tiers] table of kvtier.toml and the flags over it -> TiersConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.cache.tiers_file import default_host_bytes, load_tiers, table_keys
+from kvtier.errors import KvtierError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_table_with_sizes_and_remote_names(tmp_path: Path):
+    path = write(
+        tmp_path,
+        f"""
+[tiers]
+host_bytes = "64MiB"
+disk_dir = "{tmp_path / "kv"}"
+disk_bytes = 1048576
+remote_url = "redis://127.0.0.1:6379/0"
+remote_bytes = "2GiB"
+remote_cluster = true
+chunk_tokens = 64
+forms = {{disk = "int8"}}
+""",
+    )
+    tiers = load_tiers(path)
+    assert tiers is not None
+    assert tiers.host_bytes == 64 << 20
+    assert (tiers.disk_bytes, tiers.disk_persist) == (1 << 20, True)  # a disk tier persists
+    assert (tiers.redis_url, tiers.redis_bytes, tiers.redis_cluster) == (
+        "redis://127.0.0.1:6379/0",
+        2 << 30,
+        True,
+    )
+    assert tiers.chunk_tokens == 64
+    assert tiers.tier_forms()["disk"] == "int8"
+
+
+def test_flags_override_settings_override_the_file(tmp_path: Path):
+    path = write(tmp_path, '[tiers]\nhost_bytes = "64MiB"\nchunk_tokens = 64\n')
+    tiers = load_tiers(
+        path,
+        settings=["chunk_tokens=32", "host_bytes=1MiB"],
+        overrides={"host_bytes": "2MiB", "disk_dir": None},
+    )
+    assert tiers is not None
+    assert (tiers.host_bytes, tiers.chunk_tokens) == (2 << 20, 32)
+
+
+def test_defaults_host_from_the_machine_and_nothing_else():
+    tiers = load_tiers(None)
+    assert tiers is not None
+    assert tiers.host_bytes == default_host_bytes() > 0
+    assert tiers.disk_bytes == 0 and tiers.redis_url is None
+
+
+def test_every_tier_off_is_device_only():
+    assert load_tiers(None, overrides={"host_bytes": "0"}) is None
+
+
+def test_a_key_file_gives_the_master_key(tmp_path: Path):
+    key_file = tmp_path / "master.key"
+    tiers = load_tiers(
+        None,
+        overrides={"encrypt": True, "encrypt_key_file": str(key_file), "create_key": True},
+    )
+    assert tiers is not None and tiers.encrypt
+    assert tiers.encrypt_key == bytes.fromhex(key_file.read_text())
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("colour = 1", "tiers.colour (from {path}): unknown key; allowed: "),
+        ('host_bytes = "lots"', "tiers.host_bytes (from {path}): "),
+        ("host_bytes = -1", "tiers.host_bytes (from {path}): must be >= 0"),
+        ("disk_bytes = 1048576", "tiers.disk_bytes (from {path}): needs tiers.disk_dir"),
+        ("encrypt = true", "tiers.encrypt (from {path}): needs tiers.encrypt_key_file"),
+        ("create_key = true", "tiers.create_key (from {path}): needs tiers.encrypt_key_file"),
+        ('restore = "sometimes"', "tiers.restore must be load, plan or recompute"),
+        ("tiers = 1", "tiers.tiers (from {path}): unknown key"),
+    ],
+)
+def test_bad_values_name_the_key_and_where_it_came_from(tmp_path: Path, table, message):
+    path = write(tmp_path, f"[tiers]\n{table}\n")
+    with pytest.raises(KvtierError) as error:
+        load_tiers(path)
+    assert message.format(path=path) in str(error.value)
+
+
+def test_the_allowed_keys_are_tiers_config_s_with_remote_names():
+    keys = table_keys()
+    assert {"host_bytes", "remote_url", "encrypt_key_file", "create_key", "forms"} <= set(keys)
+    assert not {"redis_url", "encrypt_key", "cost_profile", "disk_persist"} & set(keys)

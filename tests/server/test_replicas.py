@@ -1,0 +1,154 @@
+"""Two `kvtier serve` replicas sharing one redis-server behind nginx with the shipped
+configuration (deploy/nginx/kvtier.conf): a conversation sticks to one replica; when that
+replica is killed, nginx sends the next turn to the other, which restores the history that
+the dead one wrote to Redis, and answers as a server that recomputes it."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.server.serve_process import (
+    FIRST,
+    SMALL_POOL,
+    ServeProcess,
+    Turn,
+    chat,
+    metric,
+    second_turn,
+)
+from tests.tiers.conftest import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+NGINX = shutil.which("nginx")
+
+
+def nginx_config(directory: Path, replicas: list[str], port: int) -> Path:
+    """The shipped configuration with this test's ports, inside a minimal nginx.conf that
+    keeps every file nginx writes in `directory`."""
+    shipped = (REPO / "deploy/nginx/kvtier.conf").read_text()
+    ours = {
+        "server 127.0.0.1:8001 ": f"server {replicas[0]} ",
+        "server 127.0.0.1:8002 ": f"server {replicas[1]} ",
+        "listen 127.0.0.1:8000;": f"listen 127.0.0.1:{port};",
+    }
+    for theirs, mine in ours.items():
+        assert shipped.count(theirs) == 1, theirs
+        shipped = shipped.replace(theirs, mine)
+    (directory / "kvtier.conf").write_text(shipped)
+    temp = " ".join(
+        f"{kind}_temp_path {directory / kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    main = directory / "nginx.conf"
+    main.write_text(
+        f"daemon off; worker_processes 1; pid {directory / 'nginx.pid'};\n"
+        f"error_log {directory / 'error.log'} warn;\n"
+        "events { worker_connections 64; }\n"
+        f"http {{ access_log off; {temp} include {directory / 'kvtier.conf'}; }}\n"
+    )
+    return main
+
+
+@pytest.fixture
+def nginx(tmp_path: Path):
+    """start(replica addresses) -> nginx's base URL; stopped at the end of the test."""
+    if NGINX is None:
+        pytest.skip("nginx is not installed (apt-get install nginx)")
+    processes: list[subprocess.Popen] = []
+
+    def start(replicas: list[str]) -> str:
+        directory = tmp_path / "nginx"
+        directory.mkdir()
+        port = free_port()
+        config = nginx_config(directory, replicas, port)
+        command = [NGINX, "-p", str(directory), "-c", str(config), "-e", str(directory / "e.log")]
+        processes.append(subprocess.Popen(command, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return f"http://127.0.0.1:{port}"
+            except OSError:
+                assert time.monotonic() < deadline, (directory / "error.log").read_text()
+                time.sleep(0.05)
+
+    yield start
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[RedisServer, list[ServeProcess]]]:
+    # The global budget lives in Redis itself (docs/tiers.md, "Replicas").
+    redis = RedisServer(tmp_path / "redis", None, "--maxmemory", "64mb")
+    redis.start()
+    redis.client().config_set("maxmemory-policy", "allkeys-lru")
+    flags = [
+        *SMALL_POOL,
+        "--host-bytes",
+        "0",
+        "--remote-url",
+        redis.url,
+        "--remote-bytes",
+        "32MiB",
+        "--write-through",  # a finished turn is in Redis at once, not when it is evicted
+        "--encrypt-key-file",
+        str(tmp_path / "master.key"),  # one key for both: they read each other's values
+        "--create-key",
+    ]
+    servers = [ServeProcess(tmp_path / f"replica-{i}.log", *flags) for i in range(2)]
+    try:
+        yield redis, [server.start() for server in servers]
+    finally:
+        for server in servers:
+            server.stop()
+        redis.stop()
+
+
+def served_by(servers: list[ServeProcess]) -> ServeProcess:
+    """The replica that has served prompt tokens (the only one, in this test)."""
+    busy = [s for s in servers if metric(s.metrics(), "kvtier:prompt_tokens_total") > 0]
+    assert len(busy) == 1
+    return busy[0]
+
+
+def wait_for_keys(redis: RedisServer, count: int, timeout: float = 30.0) -> None:
+    """Write-through runs in the background: wait until Redis holds the turn's chunks."""
+    deadline = time.monotonic() + timeout
+    with redis.client() as client:
+        while client.dbsize() < count:
+            assert time.monotonic() < deadline, f"only {client.dbsize()} keys in redis"
+            time.sleep(0.05)
+
+
+def test_a_killed_replica_s_session_resumes_on_the_other_from_redis(
+    replicas, nginx, reference: tuple[Turn, Turn]
+):
+    redis, servers = replicas
+    base_url = nginx([s.base_url.removeprefix("http://") for s in servers])
+
+    first = chat(base_url, "a", [{"role": "user", "content": FIRST}])
+    assert first.text == reference[0].text
+    home = served_by(servers)
+    wait_for_keys(redis, count=4)  # the 141-token prompt + 8 answer tokens: 4 chunks of 32
+
+    home.kill()
+    survivor = next(s for s in servers if s is not home)
+    second = second_turn(base_url, first)
+
+    assert served_by([survivor]) is survivor
+    assert second.sources["remote"] >= 128, second.sources
+    assert second.sources["device"] == 0  # nothing of this session was ever on its device
+    assert second.text == reference[1].text
+    remote = metric(survivor.metrics(), "kvtier:prompt_tokens_by_source_total", source="remote")
+    assert remote == second.sources["remote"]
