@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier.compress import CompressionConfig, PressSpec, parse_method
-from kvtier.compress.compressor import Compressor
+from kvtier.engine.compressor import Compressor
 from kvtier.compress.config import EVICTION_PRESSES
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.errors import KvtierError

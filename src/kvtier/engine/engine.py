@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvtier.clock import Clock
-from kvtier.compress.compressor import Compressor
+from kvtier.engine.compressor import Compressor
 from kvtier.compress.config import CompressionConfig
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.block_pool import BlockPool
