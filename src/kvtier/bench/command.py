@@ -328,7 +328,7 @@ def _compression(
     section = load_compression(args.config or os.environ.get(CONFIG_ENV))
     choice = None
     if section.is_auto:
-        from kvtier.compress.auto import choose_for_workload
+        from kvtier.bench.auto_compression import choose_for_workload
         from kvtier.models import resolve_model_dir
         from kvtier.plan.geometry import load_geometry
 

@@ -86,7 +86,7 @@ def parse_method(method: str) -> CompressionConfig | None:
     if text == "auto":
         raise KvtierError(
             "'auto' picks a preset from a workload, so it is not a method by itself: use "
-            'kvtier.compress.auto.choose_for_workload (or [compression] preset = "auto" '
+            'kvtier.bench.auto_compression.choose_for_workload (or [compression] preset = "auto" '
             "with kvtier bench), then pass the preset it names"
         )
     text = PRESETS.get(text, text)
