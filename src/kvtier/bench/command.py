@@ -338,7 +338,9 @@ def _compression(
             workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=args.resume_after
         )
         print(f"compression auto -> {choice}")
-    compression = section.build(choice)
+    from kvtier.calibration.lowrank import with_fitted_bases
+
+    compression = with_fitted_bases(section.build(choice))
     if compression is None and choice is None:
         return None, None
     note = section.model_dump(exclude_none=True)

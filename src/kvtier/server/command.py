@@ -154,6 +154,7 @@ def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.so
 
     import uvicorn
 
+    from kvtier.calibration.lowrank import with_fitted_bases
     from kvtier.engine import Engine, EngineConfig
     from kvtier.policy.config import load_compression
     from kvtier.server.app import create_app
@@ -163,7 +164,7 @@ def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.so
     engine_kwargs = {
         # the same file's [compression] table: every request's pipeline ("auto" is refused:
         # a server has not observed its workload when it starts)
-        "compression": load_compression(args.config).build(),
+        "compression": with_fitted_bases(load_compression(args.config).build()),
         "model_dir": args.model,
         "dtype": args.dtype,
         "device": args.device,
