@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtier.calibration.lowrank import with_fitted_bases
 from kvtier.compress import CompressionConfig, PressSpec
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.eval.sample import read_jsonl
@@ -41,7 +42,8 @@ def main() -> None:
     print("| variant | " + " | ".join(tasks) + " | avg |")
     print("|---|" + "---|" * (len(tasks) + 1))
     for label, spec in VARIANTS.items():
-        engine.set_compression(CompressionConfig(presses=[PressSpec(name="lowrank", **spec)]))
+        pipeline = CompressionConfig(presses=[PressSpec(name="lowrank", **spec)])
+        engine.set_compression(with_fitted_bases(pipeline))
         outs = engine.generate(
             [s.prompt_token_ids for s in samples],
             [SamplingParams(temperature=0, max_tokens=s.max_tokens) for s in samples],

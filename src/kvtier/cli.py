@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "long-context accuracy of KV compression methods (RULER-style)",
     ),
     "model": (
-        "kvtier.models.command",
+        "kvtier.model_command",
         "locate/convert the embedded model, run a generation smoke test",
     ),
 }

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvtier.compress import CompressionConfig, PressSpec, parse_method
-from kvtier.compress.compressor import Compressor
 from kvtier.compress.config import EVICTION_PRESSES
 from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine.compressor import Compressor
 from kvtier.errors import KvtierError
 
 from .conftest import MIB, prose_prompt, random_prompt

@@ -7,17 +7,17 @@ import itertools
 import pytest
 import torch
 
-from kvtier.compress import CompressionConfig, PressSpec, lowrank, parse_method
-from kvtier.compress.lowrank import (
-    LowRankBasis,
-    cache_path,
+from kvtier.calibration import lowrank
+from kvtier.calibration.lowrank import cache_path, load_or_fit, with_fitted_bases
+from kvtier.calibration.lowrank_fit import (
     calibration_text,
     calibration_tokens,
     fit_basis,
-    load_or_fit,
     prompt_kv,
-    save_basis,
 )
+from kvtier.compress import CompressionConfig, PressSpec, fitted_bases, parse_method
+from kvtier.compress.fitted_bases import LowRankFit, provide_basis, ready_basis
+from kvtier.compress.lowrank import LowRankBasis, save_basis
 from kvtier.compress.presses.lowrank import LowRankCodec, LowRankPress
 from kvtier.compress.registry import build_lowrank_press
 from kvtier.engine import SamplingParams
@@ -43,6 +43,15 @@ def bases(_engine, calibration_ids) -> dict[str, LowRankBasis]:
 def held_out_kv(_engine) -> torch.Tensor:
     """KV of a different text than the calibration one (tests/data/english.txt)."""
     return prompt_kv(_engine, prose_prompt(_engine.tokenizer, 256))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch, model_dir):
+    """$KVTIER_CACHE with no fitted bases yet; the converted model is linked in, not
+    converted again."""
+    (tmp_path / "models").symlink_to(model_dir.parent)
+    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
+    return tmp_path
 
 
 def relative_error(restored: torch.Tensor, kv: torch.Tensor) -> float:
@@ -92,14 +101,13 @@ def test_fit_is_deterministic(_engine, calibration_ids, bases):
         assert torch.equal(getattr(again, name), getattr(bases["layer"], name))
 
 
-def test_fits_are_cached_on_disk_per_model_text_and_grouping(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
-    first = load_or_fit(grouping="head", num_tokens=128)  # fitted now: no file yet
-    [path] = (tmp_path / "lowrank").glob("*.safetensors")
+def test_fits_are_cached_on_disk_per_model_text_and_grouping(empty_cache):
+    first = load_or_fit(LowRankFit(grouping="head", num_tokens=128))  # fitted now: no file yet
+    [path] = (empty_cache / "lowrank").glob("*.safetensors")
     assert path == cache_path(resolve_model_dir(None), "workshop_notes", "head", 128)
     mtime = path.stat().st_mtime_ns
     lowrank._load_or_fit.cache_clear()  # as a new process would: read back from disk
-    again = load_or_fit(grouping="head", num_tokens=128)
+    again = load_or_fit(LowRankFit(grouping="head", num_tokens=128))
     assert path.stat().st_mtime_ns == mtime
     for name in ("mean", "directions", "variance"):
         assert torch.equal(getattr(again, name), getattr(first, name))
@@ -189,10 +197,11 @@ def test_bad_ranks_options_and_geometry(bases):
         build_lowrank_press(PressSpec(name="lowrank", ratio=0.5, options={"rnk": 3}))
     with pytest.raises(KvtierError, match="grouping must be one of"):
         build_lowrank_press(PressSpec(name="lowrank", options={"grouping": "token"}))
-    with pytest.raises(KvtierError, match="unknown calibration text"):
-        build_lowrank_press(PressSpec(name="lowrank", options={"calibration": "nope"}))
     with pytest.raises(KvtierError, match="at least 64 tokens"):
         build_lowrank_press(PressSpec(name="lowrank", options={"calibration_tokens": 8}))
+    with pytest.raises(KvtierError, match="unknown calibration text"):
+        spec = PressSpec(name="lowrank", ratio=0.5, options={"calibration": "nope"})
+        with_fitted_bases(CompressionConfig(presses=[spec]))
     with pytest.raises(KvtierError, match="residual must be"):
         LowRankPress(basis, 8, residual=-1)
     with pytest.raises(KvtierError, match="sinks must be"):
@@ -201,10 +210,15 @@ def test_bad_ranks_options_and_geometry(bases):
         basis.check_geometry(32, 8, 128)
 
 
-def test_engine_full_rank_decodes_like_full_cache(engine, bases, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
-    # The fixture's fit stands in for the press's own (same model, text and length), so the
-    # press reads it from the disk cache instead of fitting again.
+@pytest.fixture
+def no_ready_bases(monkeypatch):
+    """This test starts with no basis handed to presses yet, as a new process would."""
+    monkeypatch.setattr(fitted_bases, "_ready", {})
+
+
+def test_engine_full_rank_decodes_like_full_cache(engine, bases, empty_cache, no_ready_bases):
+    # The fixture's fit stands in for the calibration step's own (same model, text and
+    # length), so it reads it from the disk cache instead of fitting again.
     save_basis(
         bases["layer"], cache_path(resolve_model_dir(None), "workshop_notes", "layer", CALIBRATION)
     )
@@ -215,12 +229,40 @@ def test_engine_full_rank_decodes_like_full_cache(engine, bases, tmp_path, monke
     assert engine.compressor is None
     for rank, same in ((192, True), (4, False)):
         spec = PressSpec(name="lowrank", options={"calibration_tokens": CALIBRATION, "rank": rank})
-        engine.set_compression(CompressionConfig(presses=[spec]))
+        engine.set_compression(with_fitted_bases(CompressionConfig(presses=[spec])))
         assert engine.compressor.lowrank.basis.directions.shape[-1] == 192
         [out] = engine.generate([prompt], params)
         assert (out.token_ids == full.token_ids) is same
         # a simulation: the pool still holds full-precision bytes
         assert out.kv_bytes_held == full.kv_bytes_held
+
+
+def test_the_engine_never_fits_it_takes_the_basis_the_calibration_step_provided(
+    engine, bases, no_ready_bases
+):
+    spec = PressSpec(name="lowrank", options={"calibration_tokens": 100, "rank": 8})
+    with pytest.raises(KvtierError, match=r"no basis fitted .*with_fitted_bases"):
+        engine.set_compression(CompressionConfig(presses=[spec]))
+    assert engine.compressor is None
+    provide_basis(LowRankFit(num_tokens=100), bases["head"])
+    engine.set_compression(CompressionConfig(presses=[spec]))
+    assert engine.compressor.lowrank.basis is bases["head"]
+    assert engine.compressor.lowrank.rank == 8
+
+
+def test_eval_reads_a_missing_basis_from_the_disk_cache_before_the_engine_needs_it(
+    engine, bases, tokenizer, empty_cache, no_ready_bases
+):
+    from kvtier.eval.methods import plan_runs
+    from kvtier.eval.runner import RunnerConfig, run_eval
+    from kvtier.eval.tasks import generate_samples
+
+    # stands in for the default fit (4,096 tokens), which would take a minute to compute
+    save_basis(bases["layer"], cache_path(resolve_model_dir(None), "workshop_notes", "layer", 4096))
+    samples = generate_samples(tokenizer, ["niah_single"], [512], 1, seed=0)
+    result = run_eval(samples, plan_runs(["lowrank@r32"], [0]), RunnerConfig(), engine=engine)
+    assert [s.spec for s in result.samples] == ["full", "lowrank@r32"]
+    assert torch.equal(ready_basis(LowRankFit()).directions, bases["layer"].directions)
 
 
 def test_eval_runs_lowrank_once_per_ratio():

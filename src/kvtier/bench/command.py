@@ -325,7 +325,7 @@ def _compression(
     section = load_compression(args.config or os.environ.get(CONFIG_ENV))
     choice = None
     if section.is_auto:
-        from kvtier.compress.auto import choose_for_workload
+        from kvtier.bench.auto_compression import choose_for_workload
         from kvtier.models import resolve_model_dir
         from kvtier.plan.geometry import load_geometry
 
@@ -335,7 +335,9 @@ def _compression(
             workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=args.resume_after
         )
         print(f"compression auto -> {choice}")
-    compression = section.build(choice)
+    from kvtier.calibration.lowrank import with_fitted_bases
+
+    compression = with_fitted_bases(section.build(choice))
     if compression is None and choice is None:
         return None, None
     note = section.model_dump(exclude_none=True)

@@ -8,11 +8,13 @@ and tests compare setups on one model).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.connector import TieredConnector
+from kvtier.calibration.lowrank import with_fitted_bases
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
 
@@ -43,7 +45,12 @@ def build_engine(
     cache: CacheConfig | None = None,
     clock: Clock | None = None,
 ) -> Engine:
-    """An engine, with a tiered connector when `cache` is given (None: device only)."""
+    """An engine, with a tiered connector when `cache` is given (None: device only). A
+    low-rank press in the compression pipeline gets its basis first (fitted once and cached
+    on disk: `kvtier.calibration.lowrank`)."""
+    config = config or EngineConfig()
+    if config.compression is not None:
+        config = dataclasses.replace(config, compression=with_fitted_bases(config.compression))
     return Engine(config, clock=clock, connector=None if cache is None else cache.connector())
 
 

@@ -20,32 +20,27 @@ a tier codec sees a block without knowing its positions. So post-RoPE it is, cal
 they will be served at (the text is repeated to that length).
 
 A fit depends only on (model, calibration text, length, grouping), never on the rank: the
-bases hold every direction, most variance first, and rank r is the first r of them. Fits are
-cached under `$KVTIER_CACHE/lowrank/` as safetensors, so a model is calibrated once.
+bases hold every direction, most variance first, and rank r is the first r of them.
+
+This module is the basis and its arithmetic only. Fitting one runs the model, so it is a
+calibration step above the engine (`kvtier.calibration.lowrank`: a prefill feeding
+`MomentAccumulator`, the disk cache of fits); it hands the press a ready basis through
+`kvtier.compress.fitted_bases`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from kvtier.errors import KvtierError
-from kvtier.paths import cache_dir
 
 GROUPINGS = ("head", "layer")
 DEFAULT_CALIBRATION = "workshop_notes"
 CALIBRATION_TOKENS = 4096
-# Bump when the fit changes, so stale cached files are not reused.
-_FIT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -183,159 +178,6 @@ def from_groups(x: torch.Tensor, grouping: str, num_kv_heads: int, head_dim: int
 def check_grouping(grouping: str) -> None:
     if grouping not in GROUPINGS:
         raise KvtierError(f"lowrank: grouping must be one of {GROUPINGS}, got {grouping!r}")
-
-
-def calibration_text(name: str) -> str:
-    """A calibration text by name: a file of `kvtier/data/calibration/`, or "prose" for the
-    packaged prose that `kvtier eval` builds its haystacks from (a matched calibration)."""
-    if name == "prose":
-        folder = resources.files("kvtier") / "data" / "text"
-        names = sorted(i.name for i in folder.iterdir() if i.name.endswith(".txt"))
-        return "\n".join((folder / n).read_text(encoding="utf-8") for n in names)
-    folder = resources.files("kvtier") / "data" / "calibration"
-    known = sorted(i.name.removesuffix(".txt") for i in folder.iterdir() if i.name.endswith(".txt"))
-    if name not in known:
-        raise KvtierError(
-            f"lowrank: unknown calibration text {name!r}; known: {', '.join([*known, 'prose'])}"
-        )
-    return (folder / f"{name}.txt").read_text(encoding="utf-8")
-
-
-def calibration_tokens(tokenizer: Any, text: str, num_tokens: int) -> list[int]:
-    """The text's token ids, repeated (a newline between copies) up to `num_tokens`."""
-    ids = tokenizer.encode(text.strip() + "\n\n", add_special_tokens=False)
-    return (ids * math.ceil(num_tokens / len(ids)))[:num_tokens]
-
-
-class _BlockReader:
-    """A block listener handing the KV of every block the engine fills to `take`, in token
-    order. (Not a subclass of the engine's listener base: importing the engine here would
-    be circular.)"""
-
-    def __init__(self, pool: Any, take: Callable[[torch.Tensor], None]) -> None:
-        self.pool, self.take = pool, take
-
-    def on_block_filled(self, block_id: int, key: bytes) -> None:
-        self.take(self.pool.read_block(block_id))
-
-    def on_block_freed(self, block_id: int) -> None:
-        pass
-
-    def on_block_evicted(self, block_id: int, key: bytes) -> None:
-        pass
-
-
-def _prefill_with(engine: Any, token_ids: list[int], take: Callable[[torch.Tensor], None]) -> None:
-    """One prefill of `token_ids`, handing the KV of every block it fills to `take`.
-
-    The engine must cache prefixes (full blocks are read as they are registered), run no
-    compression and be idle; its prefix cache is reset first so every block is computed, and
-    after (the prefix is of no use to anyone)."""
-    if not engine.config.enable_prefix_caching:
-        raise KvtierError("lowrank calibration needs an engine with prefix caching on")
-    if engine.config.compression is not None and not engine.config.compression.is_identity:
-        raise KvtierError("lowrank calibration needs an engine without compression")
-    if engine.has_unfinished_requests():
-        raise KvtierError("lowrank calibration needs an idle engine")
-    from kvtier.engine import SamplingParams
-
-    reader = _BlockReader(engine.kv_pool, take)
-    engine.reset_prefix_cache()
-    engine.add_block_listener(reader)
-    try:
-        [out] = engine.generate([token_ids], SamplingParams(temperature=0, max_tokens=1))
-    finally:
-        engine.remove_block_listener(reader)
-    if out.finish_reason == "error":
-        raise KvtierError(f"lowrank calibration failed: {out.error}")
-    engine.reset_prefix_cache()
-
-
-def prompt_kv(engine: Any, token_ids: list[int]) -> torch.Tensor:
-    """[layers, 2, kv_heads, tokens, head_dim] the engine computes for `token_ids`, whole
-    blocks only (for measuring how well a basis fits real KV)."""
-    blocks: list[torch.Tensor] = []
-    _prefill_with(engine, token_ids, blocks.append)
-    return torch.cat(blocks, dim=3)
-
-
-def fit_basis(engine: Any, token_ids: list[int], grouping: str = "layer") -> LowRankBasis:
-    """Fit bases on the KV `engine` computes for `token_ids` (one prefill, see `_prefill_with`
-    for what the engine must be)."""
-    pool = engine.kv_pool
-    moments = MomentAccumulator(pool.num_layers, pool.num_kv_heads, pool.head_dim, grouping)
-    _prefill_with(engine, token_ids, moments.add)
-    return moments.basis()
-
-
-def load_or_fit(
-    model: str | None = None,
-    calibration: str = DEFAULT_CALIBRATION,
-    grouping: str = "layer",
-    num_tokens: int = CALIBRATION_TOKENS,
-) -> LowRankBasis:
-    """The bases of `model` (None: the embedded SmolLM2), from the disk cache or fitted now
-    (a float32 engine prefilling `num_tokens` of the calibration text) and cached."""
-    check_grouping(grouping)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 64:
-        raise KvtierError(f"lowrank: calibrate on at least 64 tokens, got {num_tokens!r}")
-    from kvtier.models.resolve import resolve_model_dir
-
-    model_dir = resolve_model_dir(model)
-    text = calibration_text(calibration)
-    path = cache_path(model_dir, calibration, grouping, num_tokens)
-    return _load_or_fit(path, str(model_dir), text, grouping, num_tokens)
-
-
-def cache_path(model_dir: Path, calibration: str, grouping: str, num_tokens: int) -> Path:
-    """Where the fit of (model, calibration text, grouping, length) is cached. The model is
-    its block-key id (folder, digest of config and weight files), the text its content."""
-    from kvtier.engine.engine import default_namespace
-
-    key = "|".join(
-        (
-            f"v{_FIT_VERSION}",
-            default_namespace(model_dir, "float32"),
-            hashlib.sha256(calibration_text(calibration).encode()).hexdigest(),
-            grouping,
-            str(num_tokens),
-        )
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = f"{model_dir.name}-{calibration}-{grouping}-{num_tokens}-{digest}.safetensors"
-    return cache_dir() / "lowrank" / name
-
-
-@cache
-def _load_or_fit(
-    path: Path, model_dir: str, text: str, grouping: str, num_tokens: int
-) -> LowRankBasis:
-    if path.is_file():
-        return load_basis(path)
-    from kvtier.engine import Engine, EngineConfig
-
-    engine = Engine(
-        EngineConfig(
-            model_dir=model_dir,
-            dtype="float32",
-            # the engine sets torch's global thread count: keep the caller's
-            num_threads=torch.get_num_threads(),
-            kv_cache_bytes=_pool_bytes_for(model_dir, num_tokens),
-        )
-    )
-    try:
-        basis = fit_basis(engine, calibration_tokens(engine.tokenizer, text, num_tokens), grouping)
-    finally:
-        engine.close()
-    save_basis(basis, path)
-    return basis
-
-
-def _pool_bytes_for(model_dir: str, num_tokens: int) -> int:
-    from kvtier.engine.llama import LlamaConfig
-
-    per_token = LlamaConfig.from_model_dir(Path(model_dir)).kv_bytes_per_token(torch.float32)
-    return per_token * (num_tokens + 64)  # the prompt, its first token, block rounding
 
 
 def save_basis(basis: LowRankBasis, path: Path) -> None:

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from kvtier.compress.config import EVICTION_PRESSES, PRESS_NAMES, CompressionConfig, PressSpec
+from kvtier.compress.fitted_bases import FIT_OPTIONS, LowRankFit, ready_basis
 from kvtier.compress.presets import PRESETS
 from kvtier.compress.presses.base import EvictionPress
 from kvtier.compress.presses.h2o import H2OPress
@@ -52,27 +53,23 @@ def build_kivi_press(spec: PressSpec) -> KiviPress:
         raise KvtierError(f"press 'kivi': bad options {spec.options!r} ({exc})") from None
 
 
-LOWRANK_OPTIONS = (
-    "rank",
-    "grouping",
-    "model",
-    "calibration",
-    "calibration_tokens",
-    "residual",
-    "sinks",
-)
+LOWRANK_OPTIONS = ("rank", *FIT_OPTIONS, "residual", "sinks")
 
 
 def build_lowrank_press(spec: PressSpec) -> LowRankPress:
     """Options: rank, grouping ("layer" | "head"), model (a folder; None: the embedded
     model), calibration (a text name), calibration_tokens, residual and sinks (recent and
-    first tokens kept exact). Fits the bases on first use (see compress/lowrank.py)."""
+    first tokens kept exact). The basis must be ready (see compress/fitted_bases.py); `rank`,
+    else the ratio, sets the rank."""
     unknown = sorted(set(spec.options) - set(LOWRANK_OPTIONS))
     if unknown:
         raise KvtierError(
             f"press 'lowrank': unknown options {unknown}; known: {', '.join(LOWRANK_OPTIONS)}"
         )
-    return LowRankPress.fitted(ratio=spec.ratio, **spec.options)
+    basis = ready_basis(LowRankFit.of(spec))
+    rank = basis.rank_for(spec.ratio, spec.options.get("rank"))
+    exact = {k: v for k, v in spec.options.items() if k in ("residual", "sinks")}
+    return LowRankPress(basis, rank, **exact)
 
 
 _KIVI_SHORT = re.compile(r"kivi(\d+)")
@@ -86,7 +83,7 @@ def parse_method(method: str) -> CompressionConfig | None:
     if text == "auto":
         raise KvtierError(
             "'auto' picks a preset from a workload, so it is not a method by itself: use "
-            'kvtier.compress.auto.choose_for_workload (or [compression] preset = "auto" '
+            'kvtier.bench.auto_compression.choose_for_workload (or [compression] preset = "auto" '
             "with kvtier bench), then pass the preset it names"
         )
     text = PRESETS.get(text, text)

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from kvtier.clock import Clock
-from kvtier.compress.compressor import Compressor
 from kvtier.compress.config import CompressionConfig
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.block_pool import BlockPool
+from kvtier.engine.compressor import Compressor
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.connector import EngineContext, KVConnector, QueueDemand
 from kvtier.engine.detokenizer import IncrementalDetokenizer

@@ -91,12 +91,14 @@ def run_eval(
     engine: Any = None,
     progress: Callable[[str], None] | None = None,
 ) -> EvalRun:
+    from kvtier.calibration.lowrank import with_fitted_bases
+
     engine = engine or make_engine(config)
     results: list[SampleResult] = []
     timings: list[RunTiming] = []
     try:
         for run in runs:
-            engine.set_compression(parse(run.spec))
+            engine.set_compression(with_fitted_bases(parse(run.spec)))
             started = time.perf_counter()
             run_results: list[SampleResult] = []
             for batch in _batches(samples, config.max_batch_tokens):

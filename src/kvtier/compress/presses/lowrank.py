@@ -2,7 +2,8 @@
 
 ASVD (Yuan et al. 2023, arXiv:2312.05821) and Palu (Chang et al. 2024, arXiv:2407.21118)
 store the KV cache as low-rank coefficients; the bases here are a PCA of calibration KV
-(`kvtier.compress.lowrank`). The press keeps every token and every head; what it removes is
+(`kvtier.compress.lowrank`), fitted before the engine builds the press
+(`kvtier.calibration.lowrank`). The press keeps every token and every head; what it removes is
 dimensions: rank r of a `width`-wide group keeps r / width of the bytes (`ratio` is the share
 removed, as for the other presses, or give `rank`).
 
@@ -18,12 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.compress.lowrank import (
-    CALIBRATION_TOKENS,
-    DEFAULT_CALIBRATION,
-    LowRankBasis,
-    load_or_fit,
-)
+from kvtier.compress.lowrank import LowRankBasis
 from kvtier.errors import KvtierError
 
 
@@ -45,24 +41,6 @@ class LowRankPress:
         self.rank = basis.rank_for(rank=rank)
         self.residual = residual
         self.sinks = sinks
-
-    @classmethod
-    def fitted(
-        cls,
-        ratio: float = 0.0,
-        rank: int | None = None,
-        grouping: str = "layer",
-        model: str | None = None,
-        calibration: str = DEFAULT_CALIBRATION,
-        calibration_tokens: int = CALIBRATION_TOKENS,
-        residual: int = 0,
-        sinks: int = 4,
-    ) -> LowRankPress:
-        """The press with bases of `model` (None: the embedded SmolLM2), fitted on
-        `calibration_tokens` of the `calibration` text or read from the disk cache; `rank`,
-        else `ratio`, sets the rank."""
-        basis = load_or_fit(model, calibration, grouping, calibration_tokens)
-        return cls(basis, basis.rank_for(ratio, rank), residual, sinks)
 
     def apply(self, tokens: torch.Tensor) -> torch.Tensor:
         """[layers, 2, kv_heads, n, head_dim] -> the same, as rebuilt from rank r (all but

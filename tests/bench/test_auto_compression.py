@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.compress import parse_method
-from kvtier.compress.auto import (
+from kvtier.bench.auto_compression import (
     AutoChoice,
     WorkloadObservations,
     choose_for_workload,
     choose_preset,
 )
+from kvtier.compress import parse_method
 from kvtier.compress.presets import PRESETS
 from kvtier.errors import KvtierError
 
