@@ -41,6 +41,8 @@ test: model system
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	# the layers of docs/design.md ([tool.importlinter] in pyproject.toml)
+	$(BIN)/lint-imports
 
 format: setup
 	$(BIN)/ruff format src tests benchmarks
