@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cache.forms import lossiest
 from kvtier.tiers import Chunk
+from kvtier.tiers.vocab import DEVICE
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector
@@ -88,7 +89,7 @@ class ConnectorChunks:
         partial last chunk of an earlier turn)."""
         c = self.connector
         if any(c.block_pool.lookup(k) is not None for k in keys):
-            return "device"
+            return DEVICE
         for length in range(len(keys), 0, -1):
             where = c.locate(Chunk(keys[:length], namespace).id)
             if where is not None:

@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvtier.cache.config import FORM_PRECISION as PRECISION
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
 from kvtier.tiers import Payload
+from kvtier.tiers.vocab import FORM_PRECISION as PRECISION
+from kvtier.tiers.vocab import FULL
 
-FULL = "full"
 CODECS: dict[str, IntCodec] = {codec.form: codec for codec in (Int8Codec(), Int4Codec())}
 
 

@@ -32,7 +32,7 @@ from kvtier.policy.view import (
     TurnView,
 )
 from kvtier.tiers import Chunk
-from kvtier.tiers.vocab import DEVICE
+from kvtier.tiers.vocab import DEVICE, FULL
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector
@@ -132,11 +132,11 @@ class PolicyRunner:
             start = index * c.blocks_per_chunk * c.block_size
             end = start + len(chunk_keys) * c.block_size
             # on device: full-precision bytes, though restored ones keep their lossy form
-            tier, form = "device", c.form_of(blocks)
+            tier, form = DEVICE, c.form_of(blocks)
             size = len(blocks) * c.bytes_per_block
             if not blocks:
                 where = c.locate_form(Chunk(chunk_keys, namespace).id)
-                tier, form = where if where is not None else (None, "full")
+                tier, form = where if where is not None else (None, FULL)
                 size = c.chunk_forms.nbytes(len(chunk_keys), form)
             views.append(ChunkView(index, start, end, tier, size, form, last_access))
         return tuple(views)

@@ -14,7 +14,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-FULL_FORM = "full"
+from kvtier.tiers.vocab import FULL
+
+FULL_FORM = FULL  # the pool's own dtype, bit for bit
 
 
 @runtime_checkable

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.tiers.vocab import FULL
+
 
 @dataclass(frozen=True)
 class Keep:
@@ -26,7 +28,7 @@ class Move:
     session_id: str
     chunk_idx: int | None
     tier: str
-    form: str = "full"
+    form: str = FULL
 
 
 @dataclass(frozen=True)

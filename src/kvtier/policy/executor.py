@@ -37,8 +37,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvtier.policy.actions import Action, Drop, Keep, Move
-
-DEVICE = "device"
+from kvtier.tiers.vocab import DEVICE
 
 
 class ChunkTarget(Protocol):

@@ -33,6 +33,7 @@ from typing import Literal
 
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.view import ChunkView
+from kvtier.tiers.vocab import DEVICE
 
 PlanKind = Literal["load", "recompute", "bidirectional"]
 
@@ -58,7 +59,7 @@ class _Costs:
     def of(cls, chunks: Sequence[ChunkView], model: CostModel) -> _Costs:
         ordered = tuple(sorted(chunks, key=lambda c: c.index))
         compute = tuple(
-            0.0 if c.tier == "device" else model.chunk_recompute_s(c.tokens, c.token_start)
+            0.0 if c.tier == DEVICE else model.chunk_recompute_s(c.tokens, c.token_start)
             for c in ordered
         )
         load = tuple(
@@ -121,9 +122,9 @@ def _schedule(costs: _Costs, split: int) -> tuple[list[int], list[int], float]:
     """(positions to recompute, positions to load in issue order, makespan) for a split."""
     chunks = costs.chunks
     recompute = [
-        i for i, c in enumerate(chunks) if (i < split and c.tier != "device") or c.tier is None
+        i for i, c in enumerate(chunks) if (i < split and c.tier != DEVICE) or c.tier is None
     ]
-    loaded = [i for i, c in enumerate(chunks) if i >= split and c.tier not in ("device", None)]
+    loaded = [i for i, c in enumerate(chunks) if i >= split and c.tier not in (DEVICE, None)]
     last_recompute = recompute[-1] if recompute else -1
     # chunks some recompute depends on go first, in order; the rest from the back
     early = [i for i in loaded if i < last_recompute]

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-# Fastest first. Every list of tiers in this package is in this order.
-TIERS = ("device", "host", "disk", "remote")
-TIER_RANK = {name: rank for rank, name in enumerate(TIERS)}
+# TIERS is fastest first; every list of tiers in this package is in this order.
+from kvtier.tiers.vocab import FULL, TIER_RANK, TIERS
 
 Reason = Literal["timer", "pressure"]
 
@@ -34,7 +33,7 @@ class ChunkView:
     token_end: int
     tier: str | None  # None: stored nowhere, recompute it
     size_bytes: int  # in its current form
-    form: str = "full"  # "full" or a kv_dtypes name ("int8", "int4", ...)
+    form: str = FULL  # "full" or a kv_dtypes name ("int8", "int4", ...)
     last_access: float = 0.0
 
     @property

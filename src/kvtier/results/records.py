@@ -24,12 +24,14 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvtier.tiers.vocab import LOWER_TIERS, SOURCES
+
 SCHEMA = "kvtier.results/1"
 
 TurnKind = Literal["new", "continuing", "resumed"]
 TURN_KINDS: tuple[TurnKind, ...] = ("new", "continuing", "resumed")
-STORE_TIERS = ("host", "disk", "remote")  # tiers below the device, fastest first
-RESTORE_SOURCES = ("device", *STORE_TIERS, "recomputed")
+STORE_TIERS = LOWER_TIERS  # tiers below the device, fastest first
+RESTORE_SOURCES = SOURCES
 
 
 @dataclass(slots=True)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtier.tiers.vocab import LOWER_TIERS, SOURCES
+
 if TYPE_CHECKING:
     from kvtier.engine.engine import EngineStats, RequestOutput
     from kvtier.server.tenants import TenantCacheStats
@@ -84,8 +86,7 @@ E2E_BUCKETS = (
 )
 
 
-SOURCES = ("device", "host", "disk", "remote", "recomputed")
-RESTORED = ("host", "disk", "remote")  # fastest first
+RESTORED = LOWER_TIERS  # fastest first
 
 
 def prompt_token_sources(out: RequestOutput) -> dict[str, int]:
