@@ -23,10 +23,13 @@ def tiers_for(kind: str, tmp_path: Path, redis_url: str | None = None) -> TiersC
         return TiersConfig(host_bytes=64 * MIB, **common)
     if kind == "disk":
         return TiersConfig(host_bytes=0, disk_bytes=64 * MIB, disk_dir=tmp_path / "d", **common)
+    if kind == "mmap":  # the example tier of docs/design.md, in the disk slot
+        disk = {"disk_bytes": 64 * MIB, "disk_dir": tmp_path / "m", "disk_backend": "mmap"}
+        return TiersConfig(host_bytes=0, **disk, **common)
     return TiersConfig(host_bytes=0, redis_url=redis_url, redis_prefix="kvt-test", **common)
 
 
-@pytest.mark.parametrize("kind", ["host", "disk", "remote"])
+@pytest.mark.parametrize("kind", ["host", "disk", "remote", "mmap"])
 def test_resumed_session_restored_from_tier(engine, expected, kind, tmp_path, redis_url):
     turns = make_turns(0)
     first_ref, second_ref = expected
@@ -36,6 +39,7 @@ def test_resumed_session_restored_from_tier(engine, expected, kind, tmp_path, re
     assert connector.flush(timeout=30)  # the spills ran on the mover's worker
     assert connector.counters["spilled_chunks"] > 0
     second, out = run_second(engine, turns, first)
+    kind = "disk" if kind == "mmap" else kind  # the tier it stands in for
     sources = out.metrics.prompt_token_sources
     assert sources[kind] > 0, sources
     assert sources[kind] + sources["device"] + sources["recomputed"] == len(turns.second(first))

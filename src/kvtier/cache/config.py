@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.errors import KvtierError
-from kvtier.tiers.factory import StorageConfig
+from kvtier.tiers.factory import DISK_BACKENDS, StorageConfig
 from kvtier.tiers.vocab import FORM_PRECISION, FULL, LOWER_TIERS
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class TiersConfig:
     disk_bytes: int = 0
     disk_dir: str | Path | None = None
     disk_persist: bool = False  # keep the disk tier's chunks across restarts (and recover them)
+    disk_backend: str = "segments"  # an implementation of kvtier.tiers.factory.DISK_BACKENDS
     redis_url: str | None = None
     redis_bytes: int = 1 << 30
     redis_prefix: str = "kvt"
@@ -101,6 +102,16 @@ class TiersConfig:
             raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
         if not self.restore_deadline_s >= 0:
             raise KvtierError("tiers.restore_deadline_s must be >= 0")
+        if self.disk_backend not in DISK_BACKENDS:
+            raise KvtierError(
+                f"tiers.disk_backend: unknown {self.disk_backend!r}; "
+                f"choose one of {', '.join(DISK_BACKENDS)}"
+            )
+        if self.disk_backend == "mmap" and (self.encrypt or self.disk_persist):
+            raise KvtierError(
+                "tiers.disk_backend='mmap' neither encrypts nor persists: use 'segments' "
+                "with encrypt or disk_persist"
+            )
         if self.disk_bytes and self.disk_dir is None:
             raise KvtierError("tiers.disk_bytes needs tiers.disk_dir")
         if not (self.host_bytes or (self.disk_bytes and self.disk_dir) or self.redis_url):
@@ -116,6 +127,7 @@ class TiersConfig:
             disk_dir=self.disk_dir,
             disk_bytes=self.disk_bytes,
             disk_persist=self.disk_persist,
+            disk_backend=self.disk_backend,
             seal_disk=self.encrypt,
             redis_url=self.redis_url,
             redis_bytes=self.redis_bytes,

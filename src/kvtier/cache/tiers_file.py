@@ -109,7 +109,8 @@ def build_tiers(
         if not isinstance(disk_dir, str | Path) or not str(disk_dir):
             raise KvtierError(f"{where('disk_dir')}: a folder path, got {disk_dir!r}")
         values.setdefault("disk_bytes", default_disk_bytes(Path(disk_dir)))
-        values["disk_persist"] = True  # a configured disk tier keeps its chunks across restarts
+        # a configured disk tier keeps its chunks across restarts (where its backend can)
+        values["disk_persist"] = values.get("disk_backend", "segments") == "segments"
     elif values.get("disk_bytes"):
         raise KvtierError(f"{where('disk_bytes')}: needs tiers.disk_dir (--disk-dir)")
     key_file = table.get("encrypt_key_file")

@@ -8,6 +8,7 @@ remote records (AES-GCM) or signs remote ones (AES-GMAC), see docs/tiers.md, Thr
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -16,9 +17,28 @@ from kvtier.tiers.base import TierBackend
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.mmap_file import MmapFileTier
 from kvtier.tiers.redis_tier import RedisTier
 
 RemoteIntegrity = Literal["mac", "encrypt", "none"]
+
+
+def _segments(c: StorageConfig, sealer: Sealer | None) -> TierBackend:
+    return DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer, persist=c.disk_persist)
+
+
+def _mmap_files(c: StorageConfig, sealer: Sealer | None) -> TierBackend:
+    if sealer is not None or c.disk_persist:
+        raise ValueError("the mmap disk backend neither encrypts nor persists; use 'segments'")
+    return MmapFileTier(c.disk_dir, c.disk_bytes)
+
+
+# Implementations of the disk tier, by name (`TiersConfig.disk_backend`): a new one is its
+# own module plus one line here.
+DISK_BACKENDS: dict[str, Callable[[StorageConfig, Sealer | None], TierBackend]] = {
+    "segments": _segments,  # log-structured segment files: durable, O_DIRECT (tiers/disk.py)
+    "mmap": _mmap_files,  # one file per chunk, read through mmap: the example tier
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,7 @@ class StorageConfig:
     disk_dir: str | Path | None = None
     disk_bytes: int = 0
     disk_persist: bool = False
+    disk_backend: str = "segments"
     seal_disk: bool = False
     redis_url: str | None = None
     redis_bytes: int = 0
@@ -54,14 +75,7 @@ def build_tiers(config: StorageConfig) -> list[TierBackend]:
         slot = {} if c.host_slot_bytes is None else {"slot_bytes": c.host_slot_bytes}
         tiers.append(HostTier(c.host_bytes, **slot))
     if c.disk_bytes and c.disk_dir is not None:
-        tiers.append(
-            DiskTier(
-                c.disk_dir,
-                c.disk_bytes,
-                sealer=sealer if c.seal_disk else None,
-                persist=c.disk_persist,
-            )
-        )
+        tiers.append(DISK_BACKENDS[c.disk_backend](c, sealer if c.seal_disk else None))
     if c.redis_url:
         tiers.append(
             RedisTier(
