@@ -70,3 +70,12 @@ def test_configuration_selects_it_and_refuses_what_it_cannot_do(tmp_path):
         TiersConfig(disk_dir=tmp_path, disk_bytes=1, disk_backend="mmap", encrypt=True)
     with pytest.raises(KvtierError, match="unknown 'tape'"):
         TiersConfig(disk_dir=tmp_path, disk_bytes=1, disk_backend="tape")
+
+
+def test_serve_and_the_toml_table_reach_it(tmp_path):
+    from kvtier.cache.tiers_file import load_tiers
+
+    tiers = load_tiers(
+        None, settings=["disk_backend=mmap", "host_bytes=0"], overrides={"disk_dir": tmp_path}
+    )
+    assert tiers.disk_backend == "mmap" and not tiers.disk_persist  # it cannot persist
