@@ -1,16 +1,20 @@
 """Engine + tiers + retention policy, put together: the one way commands build a serving stack.
 
 `EngineConfig` describes the engine alone; `CacheConfig` is the tier layer's own settings
-(tiers, policy and its configuration). `build_engine` is what `kvtier bench`, `serve`, `eval`
-and the benchmarks call; `attach_connector` swaps the tiers of a loaded engine (benchmarks
-and tests compare setups on one model).
+(tiers, policy and its configuration), read from kvtier.toml by `load_cache_config`.
+`build_engine` is what `kvtier bench`, `serve`, `eval` and the benchmarks call;
+`attach_connector` swaps the tiers of a loaded engine (benchmarks and tests compare setups on
+one model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.connector import TieredConnector
@@ -52,6 +56,25 @@ def build_engine(
     if config.compression is not None:
         config = dataclasses.replace(config, compression=with_fitted_bases(config.compression))
     return Engine(config, clock=clock, connector=None if cache is None else cache.connector())
+
+
+def load_cache_config(
+    path: str | Path | None,
+    *,
+    policy: str | None = None,
+    policy_settings: Sequence[str] = (),
+    tiers_settings: Sequence[str] = (),
+    tiers_overrides: Mapping[str, Any] | None = None,
+) -> CacheConfig | None:
+    """The `[tiers]` and `[policy]` tables of kvtier.toml at `path` (None: no file), then
+    `KVTIER_POLICY__*` variables, `--policy-set` / `--tiers-set` settings and dedicated flags
+    (`policy`, `tiers_overrides`), later sources winning. None when every tier is off."""
+    from kvtier.cache.tiers_file import load_tiers
+    from kvtier.policy.config import load_config
+
+    tiers = load_tiers(path, settings=tiers_settings, overrides=tiers_overrides)
+    chosen = load_config(path, env=os.environ, settings=policy_settings, policy=policy)
+    return None if tiers is None else CacheConfig(tiers, chosen.name, chosen)
 
 
 def attach_connector(

@@ -70,9 +70,10 @@ class RunnerConfig:
 
 
 def make_engine(config: RunnerConfig) -> Any:
-    from kvtier.engine import Engine, EngineConfig
+    from kvtier.cache.setup import build_engine
+    from kvtier.engine import EngineConfig
 
-    return Engine(
+    return build_engine(
         EngineConfig(
             model_dir=config.model,
             dtype=config.dtype,  # type: ignore[arg-type]

@@ -188,15 +188,20 @@ def run(args: argparse.Namespace) -> int:
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine with its tiers and retention policy, from the config file and the flags:
     the one place `kvtier serve` builds it. Bad settings fail here, before the model loads."""
-    from kvtier.cache.setup import CacheConfig
     from kvtier.cache.setup import build_engine as build_stack
+    from kvtier.cache.setup import load_cache_config
     from kvtier.engine import EngineConfig
-    from kvtier.policy.config import load_compression, load_config
-    from kvtier.server.tier_flags import tiers_from_args
+    from kvtier.policy.config import load_compression
+    from kvtier.server.tier_flags import tier_overrides
 
     path = config_path(args)
-    tiers = tiers_from_args(args, path)
-    policy = load_config(path, env=os.environ, settings=args.policy_set, policy=args.policy)
+    cache = load_cache_config(
+        path,
+        policy=args.policy,
+        policy_settings=args.policy_set,
+        tiers_settings=args.tiers_set,
+        tiers_overrides=tier_overrides(args),
+    )
     engine_kwargs = {
         # the same file's [compression] table: every request's pipeline ("auto" is refused:
         # a server has not observed its workload when it starts)
@@ -211,7 +216,6 @@ def build_engine(args: argparse.Namespace) -> Engine:
         "num_threads": args.num_threads,
     }
     config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
-    cache = None if tiers is None else CacheConfig(tiers, policy.name, policy)
     return build_stack(config, cache)
 
 

@@ -4,12 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from kvtier.cache.config import TiersConfig
 
 # flag destination == [tiers] key
 _SIZE_HELP = "bytes or e.g. 8GiB"
@@ -66,9 +60,8 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def tiers_from_args(args: argparse.Namespace, path: str | Path | None) -> TiersConfig | None:
-    from kvtier.cache.tiers_file import load_tiers
-
+def tier_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The dedicated flags, as [tiers] keys (None: not given)."""
     keys = (
         "host_bytes",
         "disk_dir",
@@ -81,6 +74,4 @@ def tiers_from_args(args: argparse.Namespace, path: str | Path | None) -> TiersC
         "create_key",
         "write_through",
     )
-    return load_tiers(
-        path, settings=args.tiers_set, overrides={key: getattr(args, key) for key in keys}
-    )
+    return {key: getattr(args, key) for key in keys}
