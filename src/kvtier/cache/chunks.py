@@ -89,10 +89,7 @@ class Chunks:
 
     def cached_run(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, name blocks cached on the device."""
-        count = 0
-        while count < len(keys) and self.block_pool.lookup(keys[count]) is not None:
-            count += 1
-        return count
+        return len(self.device_blocks(keys))
 
     def device_blocks(self, keys: Sequence[bytes]) -> list[int]:
         """The device blocks of `keys` up to the first that is not cached."""

@@ -25,7 +25,6 @@ its value came from (`tiers.disk_bytes (from --tiers-set disk_bytes=x): ...`).
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 from kvtier.cache.config import TiersConfig
 from kvtier.errors import KvtierError
+from kvtier.toml_table import read_table, setting_value
 
 # table key -> TiersConfig field, where they differ
 _RENAMED = {
@@ -67,7 +67,7 @@ def load_tiers(
     merged: dict[str, Any] = {}
     source: dict[str, str] = {}
     if path is not None:
-        for key, value in _read_table(Path(path)).items():
+        for key, value in read_table(path, "tiers").items():
             merged[key], source[key] = value, str(path)
     for setting in settings:
         key, sep, text = setting.partition("=")
@@ -76,7 +76,7 @@ def load_tiers(
                 f"--tiers-set takes KEY=VALUE (e.g. chunk_tokens=64), not {setting!r}"
             )
         key = key.strip()
-        merged[key], source[key] = _value(text.strip()), f"--tiers-set {setting}"
+        merged[key], source[key] = setting_value(text.strip()), f"--tiers-set {setting}"
     for key, value in (overrides or {}).items():
         if value is not None:
             merged[key], source[key] = value, "--" + key.replace("_", "-")
@@ -176,25 +176,3 @@ def _size(value: Any, where: str) -> int:
         except (KvtierError, ValueError) as exc:
             raise KvtierError(f"{where}: {exc}") from None
     raise KvtierError(f"{where}: a size in bytes or like '8GiB', got {value!r}")
-
-
-def _read_table(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
-    except FileNotFoundError:
-        raise KvtierError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
-    table = data.get("tiers", {})
-    if not isinstance(table, dict):
-        raise KvtierError(f"{path}: 'tiers' must be a table ([tiers]), not {table!r}")
-    return table
-
-
-def _value(text: str) -> Any:
-    """A TOML value if the text is one (64, true, {disk = "int8"}), else the string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -35,6 +34,7 @@ from kvtier.policy.cost_model import (
 )
 from kvtier.policy.predictor import GapPrior, ReusePredictor
 from kvtier.policy.ttl import DEFAULT_TTL_S
+from kvtier.toml_table import read_table, setting_value
 
 ENV_PREFIX = "KVTIER_POLICY__"
 CONFIG_ENV = "KVTIER_CONFIG"  # path of kvtier.toml when no flag gives one
@@ -201,11 +201,11 @@ def load_config(
     merged: dict[str, Any] = {}
     source: dict[tuple[str, ...], str] = {}
     if path is not None:
-        _merge(merged, source, _read_file(Path(path)), str(path), ())
+        _merge(merged, source, read_table(path, "policy"), str(path), ())
     for variable, text in sorted((env or {}).items()):
         if variable.startswith(ENV_PREFIX):
             keys = tuple(variable.removeprefix(ENV_PREFIX).lower().split("__"))
-            _set(merged, source, keys, _value(text), f"environment variable {variable}")
+            _set(merged, source, keys, setting_value(text), f"environment variable {variable}")
     for setting in settings:
         key, sep, text = setting.partition("=")
         if not sep or not key.strip():
@@ -213,7 +213,7 @@ def load_config(
                 f"--policy-set takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}"
             )
         keys = tuple(key.strip().split("."))
-        _set(merged, source, keys, _value(text.strip()), f"--policy-set {setting}")
+        _set(merged, source, keys, setting_value(text.strip()), f"--policy-set {setting}")
     if policy is not None:
         _set(merged, source, ("name",), policy, "--policy")
     try:
@@ -253,29 +253,6 @@ def config_from_args(args: argparse.Namespace) -> PolicyConfig:
         settings=getattr(args, "policy_set", []),
         policy=getattr(args, "policy", None),
     )
-
-
-def _read_file(path: Path, name: str = "policy") -> dict[str, Any]:
-    """The file's `[name]` table ({} when it has none)."""
-    try:
-        with path.open("rb") as handle:
-            data = tomllib.load(handle)
-    except FileNotFoundError:
-        raise KvtierError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
-    table = data.get(name, {})
-    if not isinstance(table, dict):
-        raise KvtierError(f"{path}: '{name}' must be a table ([{name}]), not {table!r}")
-    return table
-
-
-def _value(text: str) -> Any:
-    """A TOML value if the text is one (10, 2.5, true, {device = 30}), else the string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def _merge(
@@ -396,7 +373,7 @@ class CompressionSection(_Section):
 def load_compression(path: str | Path | None) -> CompressionSection:
     """The `[compression]` table of the config file at `path`, validated (empty: no file,
     or no table)."""
-    table = {} if path is None else _read_file(Path(path), "compression")
+    table = {} if path is None else read_table(path, "compression")
     try:
         return CompressionSection.model_validate(table)
     except ValidationError as exc:

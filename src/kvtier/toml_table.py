@@ -1,0 +1,33 @@
+"""One table of kvtier.toml, and one `KEY=VALUE` setting's value: read the same way by every
+section loader (`[policy]`, `[compression]`, `[tiers]`)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KvtierError
+
+
+def read_table(path: str | Path, name: str) -> dict[str, Any]:
+    """The file's `[name]` table ({} when it has none)."""
+    try:
+        with Path(path).open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise KvtierError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise KvtierError(f"{path}: '{name}' must be a table ([{name}]), not {table!r}")
+    return table
+
+
+def setting_value(text: str) -> Any:
+    """A TOML value if the text is one (10, 2.5, true, {disk = "int8"}), else the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
