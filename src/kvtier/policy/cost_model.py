@@ -62,11 +62,11 @@ DEFAULT_DOLLARS_PER_GB_HOUR = {
     "remote": 0.02,  # a managed in-memory cache (Redis)
 }
 # Device HBM only becomes scarce once half full; the other tiers price any contention.
-DEFAULT_HEADROOM = {"device": 0.5, "host": 0.0, "disk": 0.0, "remote": 0.0}
+DEFAULT_HEADROOM = {"device": 0.5, "host": 0.9, "disk": 0.9, "remote": 0.9}
 # Share of the rent charged even with headroom left: on the device only. Host, disk and remote
 # space is bought as a budget; while the budget has room, holding KV there denies nobody
 # anything, and the predictor's cut-off age still drops what never returns.
-DEFAULT_BASE_SHARE = {"device": 0.01, "host": 0.0, "disk": 0.0, "remote": 0.0}
+DEFAULT_BASE_SHARE = {"device": 0.0, "host": 0.0, "disk": 0.0, "remote": 0.0}
 DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR = 0.001 * DEFAULT_DOLLARS_PER_GB_HOUR["host"]
 
 

@@ -50,11 +50,14 @@ import numpy as np
 from kvtier.policy.actions import Action
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
+from kvtier.policy.demand import DemandForecast
 from kvtier.policy.ledger import ChunkKey, placement_actions, room
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
+
+GIB = 2**30  # transfer size the spill seconds per byte are taken at
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
@@ -70,6 +73,8 @@ class _Table:
     size: np.ndarray  # bytes
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
+    # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
+    next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
 
 
 @dataclass
@@ -81,6 +86,7 @@ class CostPolicy(RetentionPolicy):
     predictor: ReusePredictor = field(default_factory=ReusePredictor)
     horizon_s: float = 5.0
     calibration: Calibration | None = None
+    demand: DemandForecast = field(default_factory=DemandForecast)
     name = "cost"
 
     def __post_init__(self) -> None:
@@ -90,18 +96,24 @@ class CostPolicy(RetentionPolicy):
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
-        return cls(model=model, predictor=config.predictor.build(), horizon_s=config.horizon_s)
+        return cls(
+            model=model,
+            predictor=config.predictor.build(),
+            horizon_s=config.horizon_s,
+            demand=DemandForecast(config.cost.forecast_window_s, config.cost.forecast_z),
+        )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         events = self._tracker.update(view, now)
         self.predictor.observe(events)
+        self.demand.observe(view, now)
         if self.calibration is not None:
             self.calibration.observe(events)
             self.calibration.expire(now)
         sessions = sorted(view.candidates(now), key=lambda s: s.session_id)
         occupancy = self._fixed_occupancy(view, sessions)
         table = self._table(view, sessions, now, occupancy)
-        return placement_actions(sessions, self._allocate(view, sessions, table))
+        return placement_actions(sessions, self._allocate(view, sessions, table, now))
 
     def _fixed_occupancy(
         self, view: PolicyView, candidates: Sequence[SessionView]
@@ -141,7 +153,8 @@ class CostPolicy(RetentionPolicy):
                 rank = TIER_RANK[chunk.tier]
                 rows.append((s, chunk.tokens, chunk.token_start, chunk.size_bytes, rank))
         if not rows:
-            return _Table([], np.zeros(0), np.zeros((0, len(tiers))), tiers)
+            empty = np.zeros((0, len(tiers)))
+            return _Table([], np.zeros(0), empty, tiers, empty)
         data = np.array(rows, dtype=float)
         row_session = data[:, 0].astype(int)
         tokens, start, size, rank = data[:, 1], data[:, 2], data[:, 3], data[:, 4]
@@ -166,7 +179,7 @@ class CostPolicy(RetentionPolicy):
         values = q0 * gain - rent * d0 + (1 - q0) * later
         tier_rank = np.array([TIER_RANK[t] for t in tiers])
         values[tier_rank[None, :] < rank[:, None]] = -np.inf  # no promotions
-        return _Table(keys, size, values, tiers)
+        return _Table(keys, size, values, tiers, q0 * gain)
 
     def _schedules(
         self, sessions: Sequence[SessionView], now: float
@@ -195,14 +208,37 @@ class CostPolicy(RetentionPolicy):
         d[past, 0] = h
         return q, d
 
+    def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes, seconds per byte) of the bids for free device space. The waiting queue
+        bids R_wait * h / W_wait: each second its W_wait bytes are held back, R_wait requests
+        wait one more. Arrivals forecast before the next decision bid for slices of space: the
+        slice beyond k is worth P(demand > k) times the seconds per byte of spilling to the
+        first lower tier when they come (without a lower tier a spill is a drop, which the
+        chunk's own value already prices)."""
+        sizes: list[float] = []
+        bids: list[float] = []
+        if view.pressure:
+            # the engine asks for what the queue needs now (`bytes_needed`, set aside first):
+            # spilling more would only delay the request that waits for this spill
+            return np.array(sizes), np.array(bids)
+        if view.waiting_bytes:
+            sizes.append(float(view.waiting_bytes))
+            bids.append(view.queue.waiting_requests * self.horizon_s / view.waiting_bytes)
+        lower = [t for t in view.tier_names if t != "device"]
+        levels, tail = self.demand.exceedance(self.horizon_s, now)
+        if lower and len(levels) > 1:
+            per_byte = self.model.load_s(GIB, lower[0]) / GIB
+            sizes += np.diff(levels).tolist()
+            bids += (tail[:-1] * per_byte).tolist()
+        return np.array(sizes), np.array(bids)
+
     def _allocate(
-        self, view: PolicyView, sessions: list[SessionView], table: _Table
+        self, view: PolicyView, sessions: list[SessionView], table: _Table, now: float
     ) -> dict[ChunkKey, str | None]:
         available = room(view, sessions)
         if "device" in available and view.pressure:
             available["device"] -= view.bytes_needed
-        queue_bytes = view.waiting_bytes
-        queue_bid = view.queue.waiting_requests * self.horizon_s / queue_bytes if queue_bytes else 0
+        reserve = self._reserve_bids(view, now)
 
         values, size, tiers = table.values, table.size, table.tiers
         n, count = values.shape
@@ -215,15 +251,25 @@ class CostPolicy(RetentionPolicy):
             rows = np.flatnonzero(wants)
             below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
             loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
+            if tier == "device" and j + 1 < count:
+                # device space is auctioned again at every decision and a chunk demoted later
+                # loses nothing more than one demoted now: what keeping it on the device buys
+                # is the next interval's saving over the tier it would go to (a drop cannot
+                # be taken back, so against a drop the whole value is at stake)
+                lower = j + 1 + np.argmax(values[rows, j + 1 :], axis=1)
+                step = table.next_interval[rows, j] - table.next_interval[rows, lower]
+                loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
             rank = np.lexsort((rows, -loss))  # highest loss first, then key order
             order = rows[rank]
             room_left = available[tier]
-            if tier == "device" and queue_bytes:
-                # the queue (-1) bids first among equals: it takes its bytes before lower bids
-                order = np.insert(order, np.count_nonzero(loss[rank] > queue_bid), -1)
+            if tier == "device" and len(reserve[0]):
+                # free space bids too (negative ids), first among equals
+                bids = np.concatenate([reserve[1], loss[rank]])
+                ids = np.concatenate([-1 - np.arange(len(reserve[0])), order])
+                order = ids[np.lexsort((ids >= 0, -bids))]
             for r in order:
                 if r < 0:
-                    room_left -= min(max(room_left, 0), queue_bytes)
+                    room_left -= min(max(room_left, 0), reserve[0][-1 - r])
                 elif size[r] <= room_left:
                     room_left -= size[r]
                     placed[r] = j
