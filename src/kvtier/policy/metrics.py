@@ -30,6 +30,13 @@ class PolicyMetrics:
         sessions = {session.session_id: session for session in view.sessions}
         stored: dict[str, dict[int, ChunkView]] = {}  # per session, built when first needed
         for action in actions:
+            if action.chunk_idx is None and isinstance(action, Keep):
+                # a whole session left in place (most of them, on most decisions): count it
+                # per tier without visiting its chunks
+                session = sessions[action.session_id]
+                for tier in session.tiers_held():
+                    self.decisions["keep", tier] += len(session.chunks_in(tier))
+                continue
             chunks = stored.get(action.session_id)
             if chunks is None:
                 chunks = stored[action.session_id] = {
