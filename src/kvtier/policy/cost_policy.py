@@ -253,7 +253,14 @@ class CostPolicy(RetentionPolicy):
         for s, session in enumerate(sessions):
             by_key.setdefault(session.reuse_key, []).append(s)
         for key, members in by_key.items():
-            q[members] = self.predictor.p_reuse_many(key, starts[members], d[members])
+            # sessions whose own rhythm counts get their own distribution; the rest share
+            # their key's
+            own = [s for s in members if self.predictor.personal(sessions[s])]
+            mine = set(own)
+            shared = [s for s in members if s not in mine] if own else members
+            q[shared] = self.predictor.p_reuse_many(key, starts[shared], d[shared])
+            for s in own:
+                q[s] = self.predictor.p_reuse_many(sessions[s], starts[s], d[s])
         q[d <= 0] = 0.0
         past = idle >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
