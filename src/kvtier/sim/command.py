@@ -179,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         )
         load = load_of(result.run, requests, deployment)
         notes[name] = run_note(result.run, load)
+        if result.calibration is not None:
+            # how well the policy's P(return within its horizon) matched what happened
+            print(f"{name}: reuse predictions: {result.calibration.line()}")
+            notes[name]["prediction"] = result.calibration.summary()
         warnings += run_warnings(result.run, load)
     config = {
         "workload": args.workload,

@@ -78,7 +78,10 @@ def run_sweep(
                 target = deployment(hardware)
                 for name in grid.policies:
                     result = simulate(requests, target, policy(name))
-                    rows.append(_row(hardware, resume_share, context, name, result.run))
+                    row = _row(hardware, resume_share, context, name, result.run)
+                    if result.calibration is not None:
+                        row["brier"] = result.calibration.brier()
+                    rows.append(row)
                     progress(
                         f"{hardware} resume {resume_share:g} context {context:,} {name}: "
                         f"{result.events:,} events in {result.wall_s:.1f} s"
