@@ -280,8 +280,11 @@ class CostPolicy(RetentionPolicy):
             # spilling more would only delay the request that waits for this spill
             return np.array(sizes), np.array(bids)
         if view.waiting_bytes:
+            # with a queue, the next interval's admissions are the requests already waiting:
+            # arrivals join the queue behind them, so the forecast would count them twice
             sizes.append(float(view.waiting_bytes))
             bids.append(view.queue.waiting_requests * self.horizon_s / view.waiting_bytes)
+            return np.array(sizes), np.array(bids)
         lower = [t for t in view.tier_names if t != "device"]
         levels, tail = self.demand.exceedance(self.horizon_s, now)
         if lower and len(levels) > 1:
