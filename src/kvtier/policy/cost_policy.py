@@ -248,19 +248,7 @@ class CostPolicy(RetentionPolicy):
         ends = np.minimum(ends, end)
         starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
         d = np.maximum(ends - starts, 0.0)
-        q = np.zeros_like(d)
-        by_key: dict[tuple[str, str], list[int]] = {}
-        for s, session in enumerate(sessions):
-            by_key.setdefault(session.reuse_key, []).append(s)
-        for key, members in by_key.items():
-            # sessions whose own rhythm counts get their own distribution; the rest share
-            # their key's
-            own = [s for s in members if self.predictor.personal(sessions[s])]
-            mine = set(own)
-            shared = [s for s in members if s not in mine] if own else members
-            q[shared] = self.predictor.p_reuse_many(key, starts[shared], d[shared])
-            for s in own:
-                q[s] = self.predictor.p_reuse_many(sessions[s], starts[s], d[s])
+        q = self.predictor.p_reuse_sessions(sessions, starts, d)
         q[d <= 0] = 0.0
         past = idle >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h

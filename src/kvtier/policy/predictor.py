@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +134,7 @@ class ReusePredictor:
         self._session_gaps = session_gaps
         self._max_sessions = max_sessions
         self._sessions: OrderedDict[str, deque[int]] = OrderedDict()  # bins of recent gaps
+        self._own: dict[str, np.ndarray] = {}  # `_mine` of sessions, until they change
         # a session's gaps are smoothed by a normal kernel in log(gap), sd `RHYTHM_SD`
         width = math.log(max_age_s / min_gap_s) / (bins - 1)
         half = max(1, math.ceil(3 * RHYTHM_SD / width))
@@ -164,6 +165,7 @@ class ReusePredictor:
         if session_id is not None:
             self._score(key, session_id, math.inf)
             self._sessions.pop(session_id, None)
+            self._own.pop(session_id, None)
         for histogram in (self._pooled, self._histogram(key)):
             histogram.no_return += 1
         self._cache.clear()
@@ -204,13 +206,36 @@ class ReusePredictor:
         session: its own gaps count where `personal`): what a policy pricing many intervals at
         once asks, without a Python call per interval."""
         if isinstance(session, SessionView):
-            cdf = self._personal_cdf(session) if self.personal(session) else None
-            if cdf is None:
-                cdf, _ = self._distribution(session.reuse_key)
+            cdf = self.cdf_rows([session])[0]
         else:
             cdf, _ = self._distribution(session)
-        idle = np.asarray(idle_s, dtype=float)
-        horizon = np.asarray(horizon_s, dtype=float)
+        return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
+
+    def p_reuse_sessions(
+        self, sessions: Sequence[SessionView], idle_s: np.ndarray, horizon_s: np.ndarray
+    ) -> np.ndarray:
+        """`p_reuse_many` for many sessions at once: row s of `idle_s` and `horizon_s` is
+        session s's."""
+        cdf = self.cdf_rows(sessions)
+        return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
+
+    def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
+        """Each session's cumulative gap masses at the bin edges: its key's, blended with its
+        own gaps where `personal`."""
+        out = np.empty((len(sessions), len(self.edges)))
+        for s, session in enumerate(sessions):
+            key = session.reuse_key
+            cdf, _ = self._distribution(key)
+            histogram = self._keys.get(key)
+            own = self._sessions.get(session.session_id)
+            if own and histogram is not None and histogram.session_weight != math.inf:
+                weight = histogram.session_weight
+                out[s] = (self._mine(session.session_id) + weight * cdf) / (len(own) + weight)
+            else:
+                out[s] = cdf
+        return out
+
+    def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
         start = self._cdf_many(cdf, idle)
         alive = 1 - start
         returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s)) - start
@@ -218,21 +243,27 @@ class ReusePredictor:
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
 
-    def _personal_cdf(self, session: SessionView) -> np.ndarray:
+    def _blend(self, cdf: np.ndarray, session_id: str, weight: float) -> np.ndarray:
         """The key's cumulative masses blended with the session's own gaps."""
-        cdf, _ = self._distribution(session.reuse_key)
-        weight = self._keys[session.reuse_key].session_weight
-        return self._blend(cdf, self._sessions[session.session_id], weight)
+        own = self._sessions[session_id]
+        return (self._mine(session_id) + weight * cdf) / (len(own) + weight)
 
-    def _blend(self, cdf: np.ndarray, own: deque[int], weight: float) -> np.ndarray:
-        counts = np.bincount(np.fromiter(own, int), minlength=len(cdf) - 1).astype(float)
-        # a few gaps say "about this long", not "in exactly this bin": each is spread over
-        # its neighbours in log(gap) (mass falling off either end is put back on the ends)
-        spread = np.convolve(counts, self._kernel)[self._kernel_half : -self._kernel_half]
-        spread[0] += np.convolve(counts, self._kernel)[: self._kernel_half].sum()
-        spread[-1] += np.convolve(counts, self._kernel)[-self._kernel_half :].sum()
-        mine = np.concatenate([[0.0], np.cumsum(spread)])
-        return (mine + weight * cdf) / (len(own) + weight)
+    def _mine(self, session_id: str) -> np.ndarray:
+        """The session's own gaps as cumulative counts at the bin edges, kept until it records
+        another gap."""
+        found = self._own.get(session_id)
+        if found is None:
+            own = self._sessions[session_id]
+            counts = np.bincount(np.fromiter(own, int), minlength=len(self.edges) - 1)
+            # a few gaps say "about this long", not "in exactly this bin": each is spread over
+            # its neighbours in log(gap) (mass falling off either end is put back on the ends)
+            full = np.convolve(counts.astype(float), self._kernel)
+            half = self._kernel_half
+            spread = full[half:-half]
+            spread[0] += full[:half].sum()
+            spread[-1] += full[-half:].sum()
+            found = self._own[session_id] = np.concatenate([[0.0], np.cumsum(spread)])
+        return found
 
     def _bin(self, gap_s: float) -> int:
         return int(np.searchsorted(self.edges, max(gap_s, 0.0), side="right")) - 1
@@ -242,9 +273,11 @@ class ReusePredictor:
         if gaps is None:
             gaps = self._sessions[session_id] = deque(maxlen=self._session_gaps)
             if len(self._sessions) > self._max_sessions:
-                self._sessions.popitem(last=False)
+                gone, _ = self._sessions.popitem(last=False)
+                self._own.pop(gone, None)
         self._sessions.move_to_end(session_id)
         gaps.append(bin_index)
+        self._own.pop(session_id, None)
 
     def _score(self, key: Key, session_id: str, gap_s: float) -> None:
         """Add to each candidate weight's total the log likelihood it gave this outcome (a
@@ -257,12 +290,12 @@ class ReusePredictor:
         b = 0 if late else self._bin(gap_s)
         histogram = self._histogram(key)
         for i, weight in enumerate(SESSION_WEIGHTS):
-            blended = cdf if weight == math.inf else self._blend(cdf, own, weight)
+            blended = cdf if weight == math.inf else self._blend(cdf, session_id, weight)
             p = 1.0 - blended[-1] if late else blended[b + 1] - blended[b]
             histogram.scores[i] += math.log(max(p, 1e-12))
 
     def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """`_cdf` elementwise."""
+        """`_cdf` elementwise; `cdf` one distribution, or one per row of `x`."""
         edges = self.edges
         clipped = np.clip(x, 0.0, edges[-1])
         i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
@@ -272,6 +305,9 @@ class ReusePredictor:
                 hi / np.maximum(lo, 1e-300)
             )
         share = np.where(i == 0, clipped / hi, log_share)
+        if cdf.ndim == 2:  # one row per session, one row of x each
+            at, above = np.take_along_axis(cdf, i, 1), np.take_along_axis(cdf, i + 1, 1)
+            return np.where(x >= edges[-1], cdf[:, -1:], at + (above - at) * share)
         out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
         return np.where(x >= edges[-1], cdf[-1], out)
 
