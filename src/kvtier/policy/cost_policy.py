@@ -328,7 +328,16 @@ class CostPolicy(RetentionPolicy):
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
         current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
-        for r in np.flatnonzero(values.max(axis=1, initial=0.0) > current):
+        better = values > current[:, None]
+        hopeful = np.flatnonzero(better.any(axis=1))
+        # the most room a tier can have during this pass: what is left now plus everything
+        # that might move up out of it; a chunk too large for all its better tiers even then
+        # is skipped without changing the outcome
+        movers = hopeful[placed[hopeful] >= 0]
+        leaving = np.bincount(placed[movers], size[movers], count)
+        most = np.array([available[t] for t in tiers]) + leaving
+        fits = (better[hopeful] & (size[hopeful, None] <= most[None, :])).any(axis=1)
+        for r in hopeful[fits]:
             for j in sorted(range(count), key=lambda c: (-values[r, c], c)):
                 if values[r, j] <= current[r]:
                     break
