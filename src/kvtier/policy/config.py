@@ -61,10 +61,8 @@ class CostSection(_Section):
         Annotated[float, Field(ge=0, le=1)] | dict[TierName, Annotated[float, Field(ge=0, le=1)]]
     ) = Field(default_factory=lambda: dict(DEFAULT_BASE_SHARE))
     floor_dollars_per_gb_hour: NonNegativeFloat = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR
-    # the device space kept free for arriving turns (policy.demand): rate over this window,
-    # mean plus z standard deviations over the decision horizon
+    # arrivals count towards the forecast rate of device demand (policy.demand) this long
     forecast_window_s: PositiveFloat = 60.0
-    forecast_z: NonNegativeFloat = 2.0
 
 
 class PredictorSection(_Section):

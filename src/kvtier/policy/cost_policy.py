@@ -116,7 +116,7 @@ class CostPolicy(RetentionPolicy):
             model=model,
             predictor=config.predictor.build(),
             horizon_s=config.horizon_s,
-            demand=DemandForecast(config.cost.forecast_window_s, config.cost.forecast_z),
+            demand=DemandForecast(window_s=config.cost.forecast_window_s),
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
