@@ -31,9 +31,16 @@ are assumed to stay as they are now.
 
 Then budgets: tiers are filled fastest first, like an auction. In tier T, the chunks whose best
 remaining option is T bid their loss if they do not get it, per byte; the highest bids get the
-space (capacity minus what no policy may move). On the device the waiting queue bids too, with
+space (capacity minus what no policy may move). The device is auctioned again at every
+decision and a chunk demoted later loses nothing more than one demoted now, so there a chunk
+bids only the next interval's saving over where it would go (q_0 * w * L_T' per byte; its
+whole value against a drop). Free device space bids against it: the waiting queue with
 R_wait * h / W_wait seconds per byte (each second its W_wait bytes are held back, R_wait
-requests wait one more second); under pressure `bytes_needed` is set aside first. Losers try
+requests wait one more), or with no queue the arrivals forecast before the next decision
+(`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
+byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
+the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
+first and nothing else bids (the engine asks for what it needs now). Losers try
 the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
 is still free if that is worth more. The policy runs again every h seconds and re-decides.
 """
