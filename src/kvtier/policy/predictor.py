@@ -223,13 +223,17 @@ class ReusePredictor:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
         out = np.empty((len(sessions), len(self.edges)))
+        per_key: dict[Key, tuple[np.ndarray, float]] = {}  # cdf and session weight, once
         for s, session in enumerate(sessions):
             key = session.reuse_key
-            cdf, _ = self._distribution(key)
-            histogram = self._keys.get(key)
-            own = self._sessions.get(session.session_id)
-            if own and histogram is not None and histogram.session_weight != math.inf:
-                weight = histogram.session_weight
+            found = per_key.get(key)
+            if found is None:
+                histogram = self._keys.get(key)
+                weight = math.inf if histogram is None else histogram.session_weight
+                found = per_key[key] = (self._distribution(key)[0], weight)
+            cdf, weight = found
+            own = self._sessions.get(session.session_id) if weight != math.inf else None
+            if own:
                 out[s] = (self._mine(session.session_id) + weight * cdf) / (len(own) + weight)
             else:
                 out[s] = cdf
