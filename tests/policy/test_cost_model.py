@@ -70,27 +70,29 @@ def test_profile_from_geometry_matches_the_planner():
     assert model.recompute_s(8000, 0) == pytest.approx(planned, rel=1e-9)
 
 
-def test_holding_is_cheap_with_headroom_and_dear_when_full():
+def test_holding_costs_only_the_floor_with_headroom_and_is_dear_when_full():
     prices = Prices.from_dollars()
+    floor = prices.floor_s_per_gb_hour / (GB * 3600)
     assert prices.rent_s_per_gb_hour["device"] == pytest.approx(45.0)  # $2.5/h over 80 GB
     device = [prices.per_byte_second("device", u) for u in (0.0, 0.4, 0.5, 0.7, 0.9, 1.0)]
-    assert device[0] == device[1] == device[2] > 0  # only the base share below headroom
+    # a device with room charges no rent: its scarcity is priced by demand (the auction)
+    assert device[0] == device[1] == device[2] == pytest.approx(floor)
     assert device == sorted(device) and device[-1] < float("inf")
     assert device[4] > 20 * device[0]
-    host = [prices.per_byte_second("host", u) for u in (0.0, 0.5, 0.9)]
-    assert host == sorted(host) and host[1] > host[0]
+    host = [prices.per_byte_second("host", u) for u in (0.0, 0.5, 0.95)]
+    assert host == sorted(host) and host[0] == host[1] < host[2]
     model = CostModel(PROFILE, prices)
-    # an hour of 1 GB on the device at 90% costs rent x (base + 0.4 / 0.1) seconds + the floor
+    # an hour of 1 GB on the device at 90% costs rent x 0.4 / 0.1 seconds + the floor
     floor = prices.floor_s_per_gb_hour
     assert floor == pytest.approx(0.001 * prices.rent_s_per_gb_hour["host"])
-    assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * (0.01 + 4.0) + floor)
+    assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * 4.0 + floor)
 
 
 def test_budgeted_tiers_with_room_cost_only_the_floor_which_is_equal_everywhere():
     prices = Prices.from_dollars()
     lower = {tier: prices.per_byte_second(tier, 0.0) for tier in ("host", "disk", "remote")}
     assert len(set(lower.values())) == 1 and lower["host"] > 0
-    assert prices.per_byte_second("device", 0.0) > 4 * lower["host"]
+    assert prices.per_byte_second("device", 0.0) == lower["host"]
     assert Prices.from_dollars(floor_dollars_per_gb_hour=0).per_byte_second("disk", 0.0) == 0
 
 

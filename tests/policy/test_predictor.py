@@ -138,3 +138,42 @@ def test_tracker_forgets_sessions_that_leave_the_view():
     tracker.update(_view(), 3.0)
     s2 = dataclasses.replace(s, turns=(*s.turns, TurnView(5.0, 1)), active=True, idle_since=None)
     assert tracker.update(_view(s2), 6.0) == []  # seen afresh: its history is not news
+
+
+def _session(session_id: str, key=KEY) -> SessionView:
+    return SessionView(session_id, tenant=key[0], app_class=key[1])
+
+
+def test_a_sessions_own_rhythm_counts_where_sessions_keep_one():
+    # one key, two kinds of session: loops back every ~3 s, and people back after ~5 minutes
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(4)
+    for _turn in range(6):
+        for i in range(100):
+            gap = (3.0 if i % 2 else 300.0) * float(rng.lognormal(0.0, 0.2))
+            predictor.record_gap(KEY, gap, session_id=f"s{i}")
+    fast, slow = _session("s1"), _session("s0")
+    assert predictor.personal(fast) and predictor.personal(slow)
+    soon = lambda s: float(predictor.p_reuse_many(s, np.array([0.0]), np.array([10.0]))[0])  # noqa: E731
+    assert soon(fast) > 0.7 and soon(slow) < 0.2
+    # the key alone would say about half for both
+    assert 0.3 < predictor.p_reuse(KEY, 0.0, 10.0) < 0.7
+
+
+def test_a_sessions_past_is_ignored_where_gaps_are_drawn_independently():
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(5)
+    for _turn in range(6):
+        for i in range(100):
+            gap = (3.0 if rng.random() < 0.5 else 300.0) * float(rng.lognormal(0.0, 0.2))
+            predictor.record_gap(KEY, gap, session_id=f"s{i}")
+    assert not predictor.personal(_session("s1"))
+
+
+def test_session_memory_is_bounded():
+    predictor = ReusePredictor(max_sessions=10, session_gaps=3)
+    for i in range(50):
+        for _ in range(5):
+            predictor.record_gap(KEY, 3.0, session_id=f"s{i}")
+    assert len(predictor._sessions) == 10
+    assert all(len(gaps) == 3 for gaps in predictor._sessions.values())

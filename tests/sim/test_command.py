@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from kvtier.cli import _ArgumentParser
 from kvtier.errors import KvtierError
 from kvtier.sim import command
-from kvtier.sim.sweep import winners
+from kvtier.sim.sweep import versus, winners
 
 
 def simulate(*argv: str) -> int:
@@ -56,6 +57,7 @@ def test_winners_name_the_best_policy_and_its_margin():
     rows = [
         {"hardware": "h", "resume_share": 0.5, "context": 8, "policy": p, "resumed_share": 0.3,
          "median_ttft_ms": ttft, "p99_ttft_ms": ttft, "output_throughput": tput, "bytes_moved": b,
+         "resumed_mean_ms": ttft, "resumed_p50_ms": ttft, "resumed_p99_ms": ttft,
          "failed": failed}
         for p, ttft, tput, b, failed in (
             ("cost", 80.0, 10.0, 5, 0), ("offload", 100.0, 12.0, 0, 0),
@@ -68,6 +70,11 @@ def test_winners_name_the_best_policy_and_its_margin():
     assert cell["output_throughput"] == {"policy": "offload=retain", "value": 12.0,
                                          "margin": pytest.approx(0.2)}  # fmt: skip
     assert cell["bytes_moved"]["policy"] == "offload=retain" and cell["bytes_moved"]["value"] == 0
+    # cost against the best fixed policy (retain, offload, ttl; recompute is not one)
+    [versus_cell] = versus(rows)
+    assert versus_cell["resumed_mean_ms"] == pytest.approx(0.8)
+    assert versus_cell["resumed_mean_ms_best"] == "offload"
+    assert versus_cell["bytes_vs_offload"] == math.inf  # offload moved nothing, cost 5 bytes
 
 
 @pytest.mark.parametrize(

@@ -170,3 +170,30 @@ def test_presets_are_valid_and_overridable():
     for name in PRESETS:
         assert preset_config(name).sessions == PRESETS[name]["sessions"]
     assert preset_config("quick", sessions=3).sessions == 3
+
+
+def test_app_classes_return_as_their_class_does():
+    workload = generate("multiclass", seed=3)
+    gaps: dict[str, list[float]] = {}
+    turns: dict[str, list[int]] = {}
+    prompts: dict[str, set[str]] = {}
+    for session in workload.sessions:
+        turns.setdefault(session.app_class, []).append(len(session.turns))
+        prompts.setdefault(session.app_class, set()).add(session.system_prompt)
+        for turn in session.turns[1:]:
+            gaps.setdefault(session.app_class, []).append(turn.think_s)
+    assert set(turns) == {"agent", "chat", "docqa"}
+    median = {name: float(np.median(values)) for name, values in gaps.items()}
+    assert median["agent"] < 10 < median["docqa"] and median["chat"] > 60
+    assert np.mean(turns["agent"]) > 2 * np.mean(turns["chat"])
+    # every class shares one system prompt; document Q&A's is the long shared document
+    assert all(len(texts) == 1 for texts in prompts.values())
+    tokens = {s.app_class: s.system_tokens for s in workload.sessions}
+    assert tokens["docqa"] > 3 * tokens["chat"]
+
+
+def test_a_class_cannot_change_the_population():
+    with pytest.raises(KvtierError, match="population fields"):
+        preset_config("multiclass", classes={"a": {"share": 1.0, "set": {"sessions": 5}}})
+    with pytest.raises(KvtierError, match="mean_turns"):
+        preset_config("multiclass", classes={"a": {"share": 1.0, "set": {"mean_turns": 0}}})

@@ -61,6 +61,8 @@ class CostSection(_Section):
         Annotated[float, Field(ge=0, le=1)] | dict[TierName, Annotated[float, Field(ge=0, le=1)]]
     ) = Field(default_factory=lambda: dict(DEFAULT_BASE_SHARE))
     floor_dollars_per_gb_hour: NonNegativeFloat = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR
+    # arrivals count towards the forecast rate of device demand (policy.demand) this long
+    forecast_window_s: PositiveFloat = 60.0
 
 
 class PredictorSection(_Section):

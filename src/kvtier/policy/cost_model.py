@@ -19,13 +19,14 @@ Holding `n` bytes in tier T for `s` seconds at occupancy u costs `n * s * price_
 
     price_T(u) = rent_T * (base_T + max(0, u - headroom_T) / (1 - u)) + floor  (u capped at 0.99)
 
-Space is paid for whether used or not, so its price is mostly what it denies others: little
-while the tier has headroom, rising without bound as it fills (the 1/(1 - u) of a queue's
-delay). The device also charges a small share of its rent at any occupancy (`base`, 1%): HBM
-held by idle KV is what the next burst of requests would have used. Host, disk and remote space
-is bought as a budget, so while it has room holding KV there denies nobody anything (`base` 0
-there: charging their dollar rents instead sent long-idle sessions to NVMe while DRAM sat free,
-which cost latency and saved no money). `floor` is the least any byte costs anywhere, equal in
+Space is paid for whether used or not, so its price is what it denies others: nothing while
+the tier has headroom, rising without bound as it fills (the 1/(1 - u) of a queue's delay).
+`base` (0 by default) charges a share of the rent at any occupancy; the device's next arrivals
+are priced by demand in the cost policy's auction instead (a constant 1% device share demoted
+idle KV from devices with room). Host, disk and remote space is bought as a budget, so while it
+has room holding KV there denies nobody anything (headroom 0.9 there: pricing their dollar
+rents or any contention sent long-idle sessions to NVMe while DRAM sat free, which cost latency
+and saved no money). `floor` is the least any byte costs anywhere, equal in
 every tier so it never picks between them: it is what frees KV nobody will use again from a
 tier with room (default: 0.1% of host DRAM's rent).
 `rent_T` converts money to seconds at the exchange rate 1 s of latency = 1 s of GPU time:
@@ -61,12 +62,13 @@ DEFAULT_DOLLARS_PER_GB_HOUR = {
     "disk": 0.08 / 730,  # block SSD at $0.08 per GB-month
     "remote": 0.02,  # a managed in-memory cache (Redis)
 }
-# Device HBM only becomes scarce once half full; the other tiers price any contention.
-DEFAULT_HEADROOM = {"device": 0.5, "host": 0.0, "disk": 0.0, "remote": 0.0}
-# Share of the rent charged even with headroom left: on the device only. Host, disk and remote
-# space is bought as a budget; while the budget has room, holding KV there denies nobody
-# anything, and the predictor's cut-off age still drops what never returns.
-DEFAULT_BASE_SHARE = {"device": 0.01, "host": 0.0, "disk": 0.0, "remote": 0.0}
+# Occupancy (by KV no policy may move) below which a tier's space costs nothing: device HBM
+# once active requests hold half of it; budgeted tiers only near full (the auction shares them).
+DEFAULT_HEADROOM = {"device": 0.5, "host": 0.9, "disk": 0.9, "remote": 0.9}
+# Share of the rent charged even with headroom left: none. Space with room denies nobody
+# anything; the device's coming arrivals bid for it in the cost policy's auction (demand.py),
+# and the predictor's cut-off age still drops what never returns.
+DEFAULT_BASE_SHARE = {"device": 0.0, "host": 0.0, "disk": 0.0, "remote": 0.0}
 DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR = 0.001 * DEFAULT_DOLLARS_PER_GB_HOUR["host"]
 
 

@@ -31,15 +31,23 @@ are assumed to stay as they are now.
 
 Then budgets: tiers are filled fastest first, like an auction. In tier T, the chunks whose best
 remaining option is T bid their loss if they do not get it, per byte; the highest bids get the
-space (capacity minus what no policy may move). On the device the waiting queue bids too, with
+space (capacity minus what no policy may move). The device is auctioned again at every
+decision and a chunk demoted later loses nothing more than one demoted now, so there a chunk
+bids only the next interval's saving over where it would go (q_0 * w * L_T' per byte; its
+whole value against a drop). Free device space bids against it: the waiting queue with
 R_wait * h / W_wait seconds per byte (each second its W_wait bytes are held back, R_wait
-requests wait one more second); under pressure `bytes_needed` is set aside first. Losers try
+requests wait one more), or with no queue the arrivals forecast before the next decision
+(`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
+byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
+the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
+first and nothing else bids (the engine asks for what it needs now). Losers try
 the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
 is still free if that is worth more. The policy runs again every h seconds and re-decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,14 +55,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.policy.actions import Action
+from kvtier.policy.actions import Action, Drop, Keep, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
-from kvtier.policy.ledger import ChunkKey, placement_actions, room
+from kvtier.policy.demand import DemandForecast
+from kvtier.policy.ledger import ChunkKey
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
+
+GIB = 2**30  # transfer size the spill seconds per byte are taken at
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
@@ -66,10 +77,26 @@ class _Table:
     the view (fastest first); -inf where the tier is faster than the chunk's (no promotions).
     Rows are in (session id, chunk index) order, which is also the tie-break order."""
 
-    keys: list[ChunkKey]
+    sessions: Sequence[SessionView]
+    row_session: np.ndarray  # which of `sessions` each row is a chunk of
+    index: np.ndarray  # the chunk's index in its session
+    rank: np.ndarray  # TIER_RANK of where the chunk is now
     size: np.ndarray  # bytes
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
+    # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
+    next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+
+    @property
+    def keys(self) -> list[ChunkKey]:
+        ids = [session.session_id for session in self.sessions]
+        rows = zip(self.row_session.tolist(), self.index.tolist(), strict=True)
+        return [(ids[s], i) for s, i in rows]
+
+    def held(self, tiers: Sequence[str]) -> dict[str, int]:
+        """Bytes these chunks hold per tier."""
+        by_rank = np.bincount(self.rank.astype(int), weights=self.size, minlength=len(TIER_RANK))
+        return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
 
 
 @dataclass
@@ -81,33 +108,45 @@ class CostPolicy(RetentionPolicy):
     predictor: ReusePredictor = field(default_factory=ReusePredictor)
     horizon_s: float = 5.0
     calibration: Calibration | None = None
+    demand: DemandForecast = field(default_factory=DemandForecast)
     name = "cost"
 
     def __post_init__(self) -> None:
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
+        self._columns: dict[str, tuple[SessionView, np.ndarray]] = {}
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
-        return cls(model=model, predictor=config.predictor.build(), horizon_s=config.horizon_s)
+        return cls(
+            model=model,
+            predictor=config.predictor.build(),
+            horizon_s=config.horizon_s,
+            demand=DemandForecast(window_s=config.cost.forecast_window_s),
+        )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         events = self._tracker.update(view, now)
         self.predictor.observe(events)
+        self.demand.observe(view, now)
         if self.calibration is not None:
             self.calibration.observe(events)
             self.calibration.expire(now)
         sessions = sorted(view.candidates(now), key=lambda s: s.session_id)
-        occupancy = self._fixed_occupancy(view, sessions)
-        table = self._table(view, sessions, now, occupancy)
-        return placement_actions(sessions, self._allocate(view, sessions, table))
+        chunks = self._chunks(sessions, remember=True)
+        movable = self._movable(view, chunks)
+        table = self._table(view, chunks, now, self._fixed_occupancy(view, movable))
+        return _actions(table, self._allocate(view, table, movable, now))
 
-    def _fixed_occupancy(
-        self, view: PolicyView, candidates: Sequence[SessionView]
-    ) -> dict[str, float]:
+    def _movable(self, view: PolicyView, chunks: _Table) -> dict[str, int]:
+        """Bytes per tier the candidates' chunks may be placed in: capacity minus everything
+        else in the tier (negative when over budget even without them)."""
+        held = chunks.held(view.tier_names)
+        return {t.name: t.capacity_bytes - t.used_bytes + held[t.name] for t in view.tiers}
+
+    def _fixed_occupancy(self, view: PolicyView, movable: Mapping[str, int]) -> dict[str, float]:
         """Share of each tier held by KV that no policy may move right now."""
-        movable = room(view, candidates)
         return {
             t.name: 1 - movable[t.name] / t.capacity_bytes if t.capacity_bytes > 0 else 1.0
             for t in view.tiers
@@ -117,34 +156,66 @@ class CostPolicy(RetentionPolicy):
         self, view: PolicyView, session: SessionView, now: float
     ) -> dict[int, dict[str, float]]:
         """Net value per chunk index and tier: the numbers the policy decides on."""
-        occupancy = self._fixed_occupancy(view, view.candidates(now))
-        table = self._table(view, [session], now, occupancy, record=False)
+        candidates = sorted(view.candidates(now), key=lambda s: s.session_id)
+        occupancy = self._fixed_occupancy(view, self._movable(view, self._chunks(candidates)))
+        table = self._table(view, self._chunks([session]), now, occupancy, record=False)
         return {
             index: {t: float(v) for t, v in zip(table.tiers, row, strict=True) if v > -np.inf}
             for (_, index), row in zip(table.keys, table.values, strict=True)
         }
 
+    def _chunks(self, sessions: Sequence[SessionView], remember: bool = False) -> _Table:
+        """The sessions' stored chunks as columns (values not filled in). A session's columns
+        are kept while its view object is unchanged (the simulator and the engine reuse it),
+        so a decision over thousands of idle sessions does not walk every chunk again."""
+        cache = self._columns
+        parts = []
+        for session in sessions:
+            found = cache.get(session.session_id)
+            if found is None or found[0] is not session:
+                stored = session.stored_chunks()
+                columns = np.array(
+                    [
+                        (c.index, c.tokens, c.token_start, c.size_bytes, TIER_RANK[c.tier])
+                        for c in stored
+                    ],
+                    dtype=float,
+                ).reshape(-1, 5)
+                found = (session, columns)
+            parts.append(found)
+        if remember:  # only the sessions of this view: memory stays bounded by the view
+            self._columns = {part[0].session_id: part for part in parts}
+        counts = [len(part[1]) for part in parts]
+        data = np.concatenate([part[1] for part in parts]) if parts else np.zeros((0, 5))
+        return _Table(
+            sessions,
+            np.repeat(np.arange(len(sessions)), counts),
+            data[:, 0].astype(int),
+            data[:, 4],
+            data[:, 3],
+            data[:, 1:3],  # tokens, start: replaced by values in `_table`
+            (),
+        )
+
     def _table(
         self,
         view: PolicyView,
-        sessions: Sequence[SessionView],
+        chunks: _Table,
         now: float,
         occupancy: Mapping[str, float],
         record: bool = True,
     ) -> _Table:
         tiers = view.tier_names
-        keys: list[ChunkKey] = []
-        rows: list[tuple[int, int, int, int, int]] = []  # session, tokens, start, size, rank
-        for s, session in enumerate(sessions):
-            for chunk in session.stored_chunks():
-                keys.append((session.session_id, chunk.index))
-                rank = TIER_RANK[chunk.tier]
-                rows.append((s, chunk.tokens, chunk.token_start, chunk.size_bytes, rank))
-        if not rows:
-            return _Table([], np.zeros(0), np.zeros((0, len(tiers))), tiers)
-        data = np.array(rows, dtype=float)
-        row_session = data[:, 0].astype(int)
-        tokens, start, size, rank = data[:, 1], data[:, 2], data[:, 3], data[:, 4]
+        sessions, row_session, size, rank = (
+            chunks.sessions,
+            chunks.row_session,
+            chunks.size,
+            chunks.rank,
+        )
+        if not len(size):
+            empty = np.zeros((0, len(tiers)))
+            return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
+        tokens, start = chunks.values[:, 0], chunks.values[:, 1]
 
         q, d = self._schedules(sessions, now)  # [sessions, K]
         if record and self.calibration is not None:
@@ -166,7 +237,7 @@ class CostPolicy(RetentionPolicy):
         values = q0 * gain - rent * d0 + (1 - q0) * later
         tier_rank = np.array([TIER_RANK[t] for t in tiers])
         values[tier_rank[None, :] < rank[:, None]] = -np.inf  # no promotions
-        return _Table(keys, size, values, tiers)
+        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=q0 * gain)
 
     def _schedules(
         self, sessions: Sequence[SessionView], now: float
@@ -184,25 +255,47 @@ class CostPolicy(RetentionPolicy):
         ends = np.minimum(ends, end)
         starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
         d = np.maximum(ends - starts, 0.0)
-        q = np.zeros_like(d)
-        by_key: dict[tuple[str, str], list[int]] = {}
-        for s, session in enumerate(sessions):
-            by_key.setdefault(session.reuse_key, []).append(s)
-        for key, members in by_key.items():
-            q[members] = self.predictor.p_reuse_many(key, starts[members], d[members])
+        q = self.predictor.p_reuse_sessions(sessions, starts, d)
         q[d <= 0] = 0.0
         past = idle >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
         return q, d
 
+    def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes, seconds per byte) of the bids for free device space. The waiting queue
+        bids R_wait * h / W_wait: each second its W_wait bytes are held back, R_wait requests
+        wait one more. Arrivals forecast before the next decision bid for slices of space: the
+        slice beyond k is worth P(demand > k) times the seconds per byte of spilling to the
+        first lower tier when they come (without a lower tier a spill is a drop, which the
+        chunk's own value already prices)."""
+        sizes: list[float] = []
+        bids: list[float] = []
+        if view.pressure:
+            # the engine asks for what the queue needs now (`bytes_needed`, set aside first):
+            # spilling more would only delay the request that waits for this spill
+            return np.array(sizes), np.array(bids)
+        if view.waiting_bytes:
+            # with a queue, the next interval's admissions are the requests already waiting:
+            # arrivals join the queue behind them, so the forecast would count them twice
+            sizes.append(float(view.waiting_bytes))
+            bids.append(view.queue.waiting_requests * self.horizon_s / view.waiting_bytes)
+            return np.array(sizes), np.array(bids)
+        lower = [t for t in view.tier_names if t != "device"]
+        levels, tail = self.demand.exceedance(self.horizon_s, now)
+        if lower and len(levels) > 1:
+            per_byte = self.model.load_s(GIB, lower[0]) / GIB
+            sizes += np.diff(levels).tolist()
+            bids += (tail[:-1] * per_byte).tolist()
+        return np.array(sizes), np.array(bids)
+
     def _allocate(
-        self, view: PolicyView, sessions: list[SessionView], table: _Table
-    ) -> dict[ChunkKey, str | None]:
-        available = room(view, sessions)
+        self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
+    ) -> np.ndarray:
+        """The column of the tier each chunk gets (-1: dropped)."""
+        available = dict(movable)
         if "device" in available and view.pressure:
             available["device"] -= view.bytes_needed
-        queue_bytes = view.waiting_bytes
-        queue_bid = view.queue.waiting_requests * self.horizon_s / queue_bytes if queue_bytes else 0
+        reserve = self._reserve_bids(view, now)
 
         values, size, tiers = table.values, table.size, table.tiers
         n, count = values.shape
@@ -215,24 +308,43 @@ class CostPolicy(RetentionPolicy):
             rows = np.flatnonzero(wants)
             below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
             loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
+            if tier == "device" and j + 1 < count:
+                # device space is auctioned again at every decision and a chunk demoted later
+                # loses nothing more than one demoted now: what keeping it on the device buys
+                # is the next interval's saving over the tier it would go to (a drop cannot
+                # be taken back, so against a drop the whole value is at stake)
+                lower = j + 1 + np.argmax(values[rows, j + 1 :], axis=1)
+                step = table.next_interval[rows, j] - table.next_interval[rows, lower]
+                loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
             rank = np.lexsort((rows, -loss))  # highest loss first, then key order
-            order = rows[rank]
-            room_left = available[tier]
-            if tier == "device" and queue_bytes:
-                # the queue (-1) bids first among equals: it takes its bytes before lower bids
-                order = np.insert(order, np.count_nonzero(loss[rank] > queue_bid), -1)
-            for r in order:
-                if r < 0:
-                    room_left -= min(max(room_left, 0), queue_bytes)
-                elif size[r] <= room_left:
-                    room_left -= size[r]
-                    placed[r] = j
-            available[tier] = room_left
-            pending &= placed < 0
+            order, bids = rows[rank], loss[rank]
+            sizes = size[order]
+            partial = np.zeros(len(order), dtype=bool)
+            if tier == "device" and len(reserve[0]):
+                # free space bids too (-1), first among equals, and takes what is left of a
+                # slice that does not fit whole
+                bids = np.concatenate([reserve[1], bids])
+                ids = np.concatenate([np.full(len(reserve[0]), -1), order])
+                sizes = np.concatenate([reserve[0], sizes])
+                first = np.lexsort((ids >= 0, -bids))
+                order, sizes, partial = ids[first], sizes[first], ids[first] < 0
+            taken, available[tier] = _first_fit(sizes, partial, available[tier])
+            chosen = order[taken & (order >= 0)]
+            placed[chosen] = j
+            pending[chosen] = False
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
         current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
-        for r in np.flatnonzero(values.max(axis=1, initial=0.0) > current):
+        better = values > current[:, None]
+        hopeful = np.flatnonzero(better.any(axis=1))
+        # the most room a tier can have during this pass: what is left now plus everything
+        # that might move up out of it; a chunk too large for all its better tiers even then
+        # is skipped without changing the outcome
+        movers = hopeful[placed[hopeful] >= 0]
+        leaving = np.bincount(placed[movers], size[movers], count)
+        most = np.array([available[t] for t in tiers]) + leaving
+        fits = (better[hopeful] & (size[hopeful, None] <= most[None, :])).any(axis=1)
+        for r in hopeful[fits]:
             for j in sorted(range(count), key=lambda c: (-values[r, c], c)):
                 if values[r, j] <= current[r]:
                     break
@@ -242,7 +354,60 @@ class CostPolicy(RetentionPolicy):
                         available[tiers[placed[r]]] += size[r]
                     placed[r] = j
                     break
-        return {
-            key: tiers[j] if j >= 0 else None
-            for key, j in zip(table.keys, placed.tolist(), strict=True)
-        }
+        return placed
+
+
+def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
+    """Walk the bidders in order, each taking its size if it fits in what is left; a
+    `partial` bidder that does not fit takes all that is left. Returns (who got their size,
+    room left). Whole runs that fit are taken at once: after a bidder that does not fit, only
+    those no larger than the room left can still get in, so each pass shortens the list."""
+    taken = np.zeros(len(sizes), dtype=bool)
+    alive = np.arange(len(sizes))
+    while len(alive) and room > 0:
+        total = np.cumsum(sizes[alive])
+        fit = int(np.searchsorted(total, room, side="right"))
+        taken[alive[:fit]] = True
+        room -= float(total[fit - 1]) if fit else 0.0
+        if fit == len(alive):
+            break
+        if partial[alive[fit]]:
+            return taken, min(room, 0.0)
+        alive = alive[fit + 1 :]
+        alive = alive[(sizes[alive] <= room) | partial[alive]]
+    return taken, room
+
+
+def _actions(table: _Table, placed: np.ndarray) -> list[Action]:
+    """`ledger.placement_actions` for the whole table at once: drops first, then moves out of
+    the slowest tiers first, then keeps (one per session left where it is)."""
+    if not len(placed):
+        return [Keep(session.session_id) for session in table.sessions]
+    column_of_rank = np.full(len(TIER_RANK), -2)
+    for j, tier in enumerate(table.tiers):
+        column_of_rank[TIER_RANK[tier]] = j
+    current = column_of_rank[table.rank.astype(int)]
+    changed = np.bincount(
+        table.row_session, weights=placed != current, minlength=len(table.sessions)
+    )
+    starts = np.searchsorted(table.row_session, np.arange(len(table.sessions) + 1))
+    drops: list[Action] = []
+    moves: list[tuple[int, Action]] = []
+    keeps: list[Action] = []
+    for s, session in enumerate(table.sessions):
+        sid = session.session_id
+        if not changed[s]:
+            keeps.append(Keep(sid))
+            continue
+        for r in range(starts[s], starts[s + 1]):
+            index, target = int(table.index[r]), int(placed[r])
+            if target < 0:
+                drops.append(Drop(sid, index))
+            elif target == current[r]:
+                keeps.append(Keep(sid, index))
+            else:
+                form = session.stored_chunks()[r - starts[s]].form
+                move = Move(sid, index, table.tiers[target], form)
+                moves.append((-int(table.rank[r]), move))
+    moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
+    return drops + [move for _, move in moves] + keeps

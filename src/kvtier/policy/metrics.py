@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.policy.actions import Action, Drop, Keep, Move
 from kvtier.policy.tracker import Returned, SessionEvent
@@ -30,6 +32,13 @@ class PolicyMetrics:
         sessions = {session.session_id: session for session in view.sessions}
         stored: dict[str, dict[int, ChunkView]] = {}  # per session, built when first needed
         for action in actions:
+            if action.chunk_idx is None and isinstance(action, Keep):
+                # a whole session left in place (most of them, on most decisions): count it
+                # per tier without visiting its chunks
+                session = sessions[action.session_id]
+                for tier in session.tiers_held():
+                    self.decisions["keep", tier] += len(session.chunks_in(tier))
+                continue
             chunks = stored.get(action.session_id)
             if chunks is None:
                 chunks = stored[action.session_id] = {
@@ -142,6 +151,23 @@ class Calibration:
                 low, high = i / self.bins, (i + 1) / self.bins
                 out.append(ReliabilityBin(low, high, n, self._sum_p[i] / n, self._sum_hit[i] / n))
         return out
+
+    def summary(self) -> dict[str, Any]:
+        """What a results file keeps: the Brier score, how many predictions it covers, and the
+        reliability bins."""
+        return {
+            "brier": self.brier() if self.resolved else None,
+            "predictions": self.resolved,
+            "reliability": [dataclasses.asdict(b) for b in self.reliability()],
+        }
+
+    def line(self) -> str:
+        """One line for a console: Brier score, then predicted -> observed per bin."""
+        bins = ", ".join(
+            f"{b.mean_predicted:.2f}->{b.observed_rate:.2f} (n={b.count:,})"
+            for b in self.reliability()
+        )
+        return f"Brier {self.brier():.4f} over {self.resolved:,} predictions; {bins}"
 
     def _resolve(self, p: float, returned: bool) -> None:
         self._pending_total -= 1

@@ -24,6 +24,18 @@ The prior is an assumption, anchored on published traces:
 - Qin et al., "Mooncake: A KVCache-centric Disaggregated Architecture for LLM Serving",
   FAST'25: Kimi's serving system, whose published request trace (arrival times and block
   hashes) is the kind of data the histogram is fitted from.
+**A session's own rhythm.** The last `session_gaps` gaps of each session are kept too (at
+most `max_sessions` sessions, least recently updated evicted). A session's distribution can
+be its key's blended with its own gaps, the key's worth `w` pseudo-gaps: an agent loop that came
+back after 3 s, 3 s and 4 s is expected back in seconds even if its tenant's chats take
+minutes. Whether that helps depends on the traffic (where gaps are drawn independently, a
+session's past says nothing and the blend only adds noise), so it is learned per key, online:
+every return and every abandonment is scored, before it is learned from, by the log likelihood
+each candidate `w` in `SESSION_WEIGHTS` (inf: ignore the session) gave it, and a key uses the
+candidate with the best total so far, once it leads the key alone by a likelihood ratio of 20
+(a prequential choice: Dawid, "Present position and potential developments: the prequential
+approach", JRSS A, 1984).
+
 Parameters: P(no return) = 0.27 (the single-turn share of ShareGPT, read per gap); returns
 lognormal with median 60 s (a person reads the reply and types; our assumption) and sigma
 ln(10) / z_0.8 = 2.74, which puts 80% of returns within 600 s. Prior mass beyond `max_age_s`
@@ -33,8 +45,8 @@ counts as no return.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +55,12 @@ from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
 Key = tuple[str, str]  # (tenant, app_class)
+# pseudo-gaps the key's distribution is worth against a session's own gaps; inf: the key alone
+SESSION_WEIGHTS = (math.inf, 8.0, 2.0, 0.5)
+RHYTHM_SD = math.log(2.0) / 2  # a session's next gap: within a factor 2 of its last, 2 sd
+# a likelihood ratio of 20 ("strong evidence": Kass and Raftery, "Bayes factors", JASA 1995)
+# before a key trusts its sessions' rhythm, so a handful of outcomes cannot flip it
+EVIDENCE_NATS = math.log(20.0)
 
 Z_80 = 0.8416212335729143  # standard normal quantile at 0.8
 
@@ -67,11 +85,21 @@ class GapPrior:
 
 
 class _Histogram:
-    """Gap counts per bin and the number of sessions that never came back."""
+    """Gap counts per bin and the number of sessions that never came back; for a key, also
+    the running log score of each candidate session weight."""
 
     def __init__(self, bins: int) -> None:
         self.counts = np.zeros(bins)
         self.no_return = 0.0
+        self.scores = np.zeros(len(SESSION_WEIGHTS))
+
+    @property
+    def session_weight(self) -> float:
+        """The best-scoring candidate, once it beats the key alone by strong evidence."""
+        best = int(np.argmax(self.scores))
+        if self.scores[best] - self.scores[0] < EVIDENCE_NATS:
+            return math.inf
+        return SESSION_WEIGHTS[best]
 
     @property
     def total(self) -> float:
@@ -89,6 +117,8 @@ class ReusePredictor:
         bins: int = 64,
         prior: GapPrior | None = None,
         max_keys: int = 1024,
+        session_gaps: int = 8,
+        max_sessions: int = 65_536,
     ) -> None:
         if not 0 < min_gap_s < max_age_s or bins < 2 or max_keys < 1:
             raise ValueError("need 0 < min_gap_s < max_age_s, bins >= 2 and max_keys >= 1")
@@ -101,9 +131,22 @@ class ReusePredictor:
         self._keys: OrderedDict[Key, _Histogram] = OrderedDict()
         self._max_keys = max_keys
         self._cache: dict[Key | None, tuple[np.ndarray, float]] = {}
+        self._session_gaps = session_gaps
+        self._max_sessions = max_sessions
+        self._sessions: OrderedDict[str, deque[int]] = OrderedDict()  # bins of recent gaps
+        self._own: dict[str, np.ndarray] = {}  # `_mine` of sessions, until they change
+        # a session's gaps are smoothed by a normal kernel in log(gap), sd `RHYTHM_SD`
+        width = math.log(max_age_s / min_gap_s) / (bins - 1)
+        half = max(1, math.ceil(3 * RHYTHM_SD / width))
+        kernel = np.exp(-0.5 * (np.arange(-half, half + 1) * width / RHYTHM_SD) ** 2)
+        self._kernel, self._kernel_half = kernel / kernel.sum(), half
 
-    def record_gap(self, key: Key, gap_s: float) -> None:
+    def record_gap(self, key: Key, gap_s: float, session_id: str | None = None) -> None:
         """A session of `key` came back `gap_s` seconds after its previous turn ended."""
+        if session_id is not None:
+            self._score(key, session_id, gap_s)
+            if gap_s < self.max_age_s:
+                self._remember(session_id, self._bin(gap_s))
         self.record_gaps(key, (gap_s,))
 
     def record_gaps(self, key: Key, gaps_s: Iterable[float]) -> None:
@@ -117,8 +160,12 @@ class ReusePredictor:
             histogram.no_return += int(late.sum())
         self._cache.clear()
 
-    def record_no_return(self, key: Key) -> None:
+    def record_no_return(self, key: Key, session_id: str | None = None) -> None:
         """A session of `key` stayed idle past `max_age_s`."""
+        if session_id is not None:
+            self._score(key, session_id, math.inf)
+            self._sessions.pop(session_id, None)
+            self._own.pop(session_id, None)
         for histogram in (self._pooled, self._histogram(key)):
             histogram.no_return += 1
         self._cache.clear()
@@ -126,9 +173,19 @@ class ReusePredictor:
     def observe(self, events: Iterable[SessionEvent]) -> None:
         for event in events:
             if isinstance(event, Returned):
-                self.record_gap(event.key, event.gap_s)
+                self.record_gap(event.key, event.gap_s, event.session_id)
             elif isinstance(event, Abandoned):
-                self.record_no_return(event.key)
+                self.record_no_return(event.key, event.session_id)
+
+    def personal(self, session: SessionView) -> bool:
+        """True when this session's prediction uses its own gaps (its key learned that they
+        help, and it has some)."""
+        histogram = self._keys.get(session.reuse_key)
+        return (
+            histogram is not None
+            and histogram.session_weight != math.inf
+            and session.session_id in self._sessions
+        )
 
     def p_reuse(self, session: SessionView | Key, idle_s: float, horizon_s: float) -> float:
         """P(the session returns within `horizon_s` | it has been idle `idle_s`)."""
@@ -145,12 +202,44 @@ class ReusePredictor:
     def p_reuse_many(
         self, session: SessionView | Key, idle_s: np.ndarray, horizon_s: np.ndarray
     ) -> np.ndarray:
-        """`p_reuse` elementwise over arrays of idle times and horizons (one key): what a
-        policy pricing many intervals at once asks, without a Python call per interval."""
-        key = session.reuse_key if isinstance(session, SessionView) else session
-        cdf, _ = self._distribution(key)
-        idle = np.asarray(idle_s, dtype=float)
-        horizon = np.asarray(horizon_s, dtype=float)
+        """`p_reuse` elementwise over arrays of idle times and horizons (one key, or one
+        session: its own gaps count where `personal`): what a policy pricing many intervals at
+        once asks, without a Python call per interval."""
+        if isinstance(session, SessionView):
+            cdf = self.cdf_rows([session])[0]
+        else:
+            cdf, _ = self._distribution(session)
+        return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
+
+    def p_reuse_sessions(
+        self, sessions: Sequence[SessionView], idle_s: np.ndarray, horizon_s: np.ndarray
+    ) -> np.ndarray:
+        """`p_reuse_many` for many sessions at once: row s of `idle_s` and `horizon_s` is
+        session s's."""
+        cdf = self.cdf_rows(sessions)
+        return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
+
+    def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
+        """Each session's cumulative gap masses at the bin edges: its key's, blended with its
+        own gaps where `personal`."""
+        out = np.empty((len(sessions), len(self.edges)))
+        per_key: dict[Key, tuple[np.ndarray, float]] = {}  # cdf and session weight, once
+        for s, session in enumerate(sessions):
+            key = session.reuse_key
+            found = per_key.get(key)
+            if found is None:
+                histogram = self._keys.get(key)
+                weight = math.inf if histogram is None else histogram.session_weight
+                found = per_key[key] = (self._distribution(key)[0], weight)
+            cdf, weight = found
+            own = self._sessions.get(session.session_id) if weight != math.inf else None
+            if own:
+                out[s] = (self._mine(session.session_id) + weight * cdf) / (len(own) + weight)
+            else:
+                out[s] = cdf
+        return out
+
+    def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
         start = self._cdf_many(cdf, idle)
         alive = 1 - start
         returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s)) - start
@@ -158,8 +247,59 @@ class ReusePredictor:
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
 
+    def _blend(self, cdf: np.ndarray, session_id: str, weight: float) -> np.ndarray:
+        """The key's cumulative masses blended with the session's own gaps."""
+        own = self._sessions[session_id]
+        return (self._mine(session_id) + weight * cdf) / (len(own) + weight)
+
+    def _mine(self, session_id: str) -> np.ndarray:
+        """The session's own gaps as cumulative counts at the bin edges, kept until it records
+        another gap."""
+        found = self._own.get(session_id)
+        if found is None:
+            own = self._sessions[session_id]
+            counts = np.bincount(np.fromiter(own, int), minlength=len(self.edges) - 1)
+            # a few gaps say "about this long", not "in exactly this bin": each is spread over
+            # its neighbours in log(gap) (mass falling off either end is put back on the ends)
+            full = np.convolve(counts.astype(float), self._kernel)
+            half = self._kernel_half
+            spread = full[half:-half]
+            spread[0] += full[:half].sum()
+            spread[-1] += full[-half:].sum()
+            found = self._own[session_id] = np.concatenate([[0.0], np.cumsum(spread)])
+        return found
+
+    def _bin(self, gap_s: float) -> int:
+        return int(np.searchsorted(self.edges, max(gap_s, 0.0), side="right")) - 1
+
+    def _remember(self, session_id: str, bin_index: int) -> None:
+        gaps = self._sessions.get(session_id)
+        if gaps is None:
+            gaps = self._sessions[session_id] = deque(maxlen=self._session_gaps)
+            if len(self._sessions) > self._max_sessions:
+                gone, _ = self._sessions.popitem(last=False)
+                self._own.pop(gone, None)
+        self._sessions.move_to_end(session_id)
+        gaps.append(bin_index)
+        self._own.pop(session_id, None)
+
+    def _score(self, key: Key, session_id: str, gap_s: float) -> None:
+        """Add to each candidate weight's total the log likelihood it gave this outcome (a
+        return in the gap's bin, or none), before learning from it."""
+        own = self._sessions.get(session_id)
+        if not own:
+            return  # every candidate predicts the same for a session without gaps
+        cdf, _ = self._distribution(key)
+        late = gap_s >= self.max_age_s
+        b = 0 if late else self._bin(gap_s)
+        histogram = self._histogram(key)
+        for i, weight in enumerate(SESSION_WEIGHTS):
+            blended = cdf if weight == math.inf else self._blend(cdf, session_id, weight)
+            p = 1.0 - blended[-1] if late else blended[b + 1] - blended[b]
+            histogram.scores[i] += math.log(max(p, 1e-12))
+
     def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """`_cdf` elementwise."""
+        """`_cdf` elementwise; `cdf` one distribution, or one per row of `x`."""
         edges = self.edges
         clipped = np.clip(x, 0.0, edges[-1])
         i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
@@ -169,6 +309,9 @@ class ReusePredictor:
                 hi / np.maximum(lo, 1e-300)
             )
         share = np.where(i == 0, clipped / hi, log_share)
+        if cdf.ndim == 2:  # one row per session, one row of x each
+            at, above = np.take_along_axis(cdf, i, 1), np.take_along_axis(cdf, i + 1, 1)
+            return np.where(x >= edges[-1], cdf[:, -1:], at + (above - at) * share)
         out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
         return np.where(x >= edges[-1], cdf[-1], out)
 

@@ -179,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
         )
         load = load_of(result.run, requests, deployment)
         notes[name] = run_note(result.run, load)
+        money = _bill(result.run, deployment, _policy_config(args, name))
+        print(f"{name}: bill: {money.line()}")
+        notes[name]["bill"] = money.to_dict()
+        if result.calibration is not None:
+            # how well the policy's P(return within its horizon) matched what happened
+            print(f"{name}: reuse predictions: {result.calibration.line()}")
+            notes[name]["prediction"] = result.calibration.summary()
         warnings += run_warnings(result.run, load)
     config = {
         "workload": args.workload,
@@ -311,6 +318,23 @@ def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
 
     path = args.config or os.environ.get(CONFIG_ENV)
     return load_config(path, env=os.environ, settings=args.policy_set, policy=name)
+
+
+def _bill(run: Any, deployment: Deployment, config: PolicyConfig) -> Any:
+    """The run's recompute and holding in money, at `[policy.cost]`'s prices."""
+    from kvtier.policy.cost_model import DEFAULT_DOLLARS_PER_GB_HOUR
+    from kvtier.results.bill import bill
+    from kvtier.sim.step_model import StepModel
+
+    model = StepModel(deployment.profile, deployment.geometry, deployment.tp)
+    dollars = {**DEFAULT_DOLLARS_PER_GB_HOUR, **config.cost.dollars_per_gb_hour}
+    return bill(
+        run,
+        config.cost_model(model.cost_profile()),
+        deployment.tp,
+        config.cost.gpu_dollars_per_hour,
+        dollars,
+    )
 
 
 def _sweep(args: argparse.Namespace) -> int:

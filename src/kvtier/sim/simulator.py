@@ -23,6 +23,7 @@ from kvtier.bench.replay import next_arrivals
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostProfile
+from kvtier.policy.metrics import Calibration
 from kvtier.policy.oracle import OraclePolicy
 from kvtier.policy.registry import build_policy
 from kvtier.results.records import (
@@ -47,6 +48,7 @@ class SimResult:
     steps: int  # engine steps simulated (a run of identical decode steps is one event)
     wall_s: float
     policy_s: float  # of which in the policy's decide()
+    calibration: Calibration | None = None  # the reuse predictions scored, where a policy makes any
 
 
 def simulate(
@@ -89,12 +91,13 @@ def simulate(
             ]
 
     track_s = config.predictor.max_age_s + config.interval_s
+    calibration = Calibration()  # shared: each conversation stays on one replica
     replicas = [
         Replica(
             loop,
             deployment,
             model,
-            _policy(config, profile, arrivals),
+            _policy(config, profile, arrivals, calibration),
             cost_model,
             done,
             track_s,
@@ -145,15 +148,23 @@ def simulate(
     )
     steps = sum(replica.steps for replica in replicas)
     policy_s = sum(replica.policy_s for replica in replicas)
-    return SimResult(run, loop.processed, steps, time.perf_counter() - started, policy_s)
+    wall_s = time.perf_counter() - started
+    scored = calibration if calibration.resolved else None
+    return SimResult(run, loop.processed, steps, wall_s, policy_s, scored)
 
 
 def _policy(
-    config: PolicyConfig, profile: CostProfile, arrivals: dict[str, list[float]]
+    config: PolicyConfig,
+    profile: CostProfile,
+    arrivals: dict[str, list[float]],
+    calibration: Calibration,
 ) -> RetentionPolicy:
     if config.name == "oracle":
         return OraclePolicy(arrivals)
-    return build_policy(config, profile)
+    policy = build_policy(config, profile)
+    if getattr(policy, "calibration", False) is None:  # it predicts, and nobody scores it yet
+        policy.calibration = calibration
+    return policy
 
 
 def _traffic(replicas: Sequence[Replica]) -> dict[str, TierTraffic]:

@@ -11,6 +11,7 @@ follow-ups (continuing turns). The table reports the resumed share of all turns 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,15 @@ from kvtier.workload.model import Request, flatten
 from kvtier.workload.presets import preset_config
 
 SCHEMA = "kvtier.sweep/1"
+FIXED_POLICIES = ("retain", "offload", "ttl")  # the rules `cost` must match or beat
+RESUMED_FIELDS = ("resumed_mean_ms", "resumed_p50_ms", "resumed_p99_ms")
 # (summary field, label, True when higher is better)
 METRICS = (
     ("median_ttft_ms", "TTFT p50", False),
     ("p99_ttft_ms", "TTFT p99", False),
+    ("resumed_mean_ms", "resumed TTFT mean", False),
+    ("resumed_p50_ms", "resumed TTFT p50", False),
+    ("resumed_p99_ms", "resumed TTFT p99", False),
     ("output_throughput", "output tok/s", True),
     ("bytes_moved", "bytes read+written", False),
 )
@@ -72,7 +78,10 @@ def run_sweep(
                 target = deployment(hardware)
                 for name in grid.policies:
                     result = simulate(requests, target, policy(name))
-                    rows.append(_row(hardware, resume_share, context, name, result.run))
+                    row = _row(hardware, resume_share, context, name, result.run)
+                    if result.calibration is not None:
+                        row["brier"] = result.calibration.brier()
+                    rows.append(row)
                     progress(
                         f"{hardware} resume {resume_share:g} context {context:,} {name}: "
                         f"{result.events:,} events in {result.wall_s:.1f} s"
@@ -89,6 +98,7 @@ def run_sweep(
         },
         "rows": rows,
         "winners": winners(rows),
+        "versus": versus(rows),
     }
 
 
@@ -109,6 +119,10 @@ def _row(
         "failed": s["failed"],
         "median_ttft_ms": s["median_ttft_ms"],
         "p99_ttft_ms": s["p99_ttft_ms"],
+        # 0 when a cell has no resumed turn (then every policy ties on them)
+        "resumed_mean_ms": kinds["resumed"].get("mean_ms", 0.0),
+        "resumed_p50_ms": kinds["resumed"].get("median_ms", 0.0),
+        "resumed_p99_ms": kinds["resumed"].get("p99_ms", 0.0),
         "output_throughput": s["output_throughput"],
         "bytes_read": sum(t["bytes_read"] for t in traffic),
         "bytes_written": sum(t["bytes_written"] for t in traffic),
@@ -155,6 +169,47 @@ def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def versus(
+    rows: Sequence[Mapping[str, Any]],
+    challenger: str = "cost",
+    fixed: Sequence[str] = FIXED_POLICIES,
+) -> list[dict[str, Any]]:
+    """Per cell: `challenger`'s resumed TTFT (mean, p50, p99) over the best fixed policy's on
+    each (1.05 = 5% slower), and its bytes moved over `offload`'s. Empty when the grid lacks
+    the challenger or every fixed policy."""
+    cells: dict[tuple[str, float, int], dict[str, Mapping[str, Any]]] = {}
+    for row in rows:
+        key = (row["hardware"], row["resume_share"], row["context"])
+        cells.setdefault(key, {})[row["policy"]] = row
+    out = []
+    for (hardware, resume_share, context), by_policy in cells.items():
+        baselines = [by_policy[name] for name in fixed if name in by_policy]
+        if challenger not in by_policy or not baselines:
+            continue
+        mine = by_policy[challenger]
+        entry: dict[str, Any] = {
+            "hardware": hardware,
+            "resume_share": resume_share,
+            "context": context,
+        }
+        for field in RESUMED_FIELDS:
+            best = min(baselines, key=lambda r: (r["failed"], r[field]))
+            entry[field] = _ratio(mine[field], best[field])
+            entry[f"{field}_best"] = best["policy"]
+        if "offload" in by_policy:
+            entry["bytes_vs_offload"] = _ratio(
+                mine["bytes_moved"], by_policy["offload"]["bytes_moved"]
+            )
+        out.append(entry)
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    if b <= 0:
+        return 1.0 if a <= 0 else math.inf
+    return a / b
+
+
 def _colour(winner: str, policies: Sequence[str]) -> int:
     return policies.index(winner) if "=" not in winner else len(policies)
 
@@ -177,14 +232,36 @@ def markdown(sweep: Mapping[str, Any]) -> str:
             margin = "-" if best["margin"] is None else f"{best['margin']:.0%}"
             cells.append(f"{best['policy']} ({margin})")
         lines.append("| " + " | ".join(cells) + " |")
+    if sweep.get("versus"):
+        lines += [
+            "",
+            "### cost over the best fixed policy (retain, offload, ttl): resumed TTFT",
+            "",
+        ]
+        lines.append("| hardware | resume share | context | mean | p50 | p99 | bytes / offload's |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for v in sweep["versus"]:
+            cells = [v["hardware"], f"{v['resume_share']:g}", f"{v['context']:,}"]
+            for field in RESUMED_FIELDS:
+                cells.append(f"{v[field]:.2f} ({v[f'{field}_best']})")
+            ratio = v.get("bytes_vs_offload")
+            cells.append("-" if ratio is None else f"{ratio:.2f}")
+            lines.append("| " + " | ".join(cells) + " |")
+        worst = {f: max(v[f] for v in sweep["versus"]) for f in RESUMED_FIELDS}
+        lines += [
+            "",
+            "worst cell: " + ", ".join(f"{f.split('_')[1]} {worst[f]:.2f}" for f in RESUMED_FIELDS),
+        ]
     lines += ["", "### Every run", ""]
     fields = ["hardware", "resume", "context", "policy", "TTFT p50 ms", "TTFT p99 ms"]
+    fields += ["resumed mean / p50 / p99 ms"]
     fields += ["out tok/s", "GB read", "GB written", "failed"]
     lines.append("| " + " | ".join(fields) + " |")
     lines.append("|" + "---|" * len(fields))
     for r in sweep["rows"]:
         values = [r["hardware"], f"{r['resume_share']:g}", f"{r['context']:,}", r["policy"]]
         values += [f"{r['median_ttft_ms']:,.0f}", f"{r['p99_ttft_ms']:,.0f}"]
+        values.append(" / ".join(f"{r[f]:,.0f}" for f in RESUMED_FIELDS))
         values += [f"{r['output_throughput']:,.0f}", f"{r['bytes_read'] / 1e9:,.1f}"]
         values += [f"{r['bytes_written'] / 1e9:,.1f}", str(r["failed"])]
         lines.append("| " + " | ".join(values) + " |")

@@ -41,6 +41,21 @@ class LengthDist(BaseModel):
         return int(min(max(round(value), self.min_tokens), self.max_tokens))
 
 
+class AppClassSpec(BaseModel):
+    """One app class of a multi-class population: its share of sessions, and the generator
+    fields its sessions draw from instead of the population's (e.g. think times, turns,
+    system prompt length)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    share: float = Field(gt=0, description="relative share of sessions in this class")
+    set: dict[str, Any] = Field(default_factory=dict, description="fields that differ")
+
+
+# population-level fields a class may not override: they shape arrivals, not sessions
+POPULATION_FIELDS = ("sessions", "session_rate", "arrival_cv", "apps", "tenants", "classes")
+
+
 class GeneratorConfig(BaseModel):
     """A population of chat sessions. Times in seconds, lengths in tokens."""
 
@@ -80,6 +95,11 @@ class GeneratorConfig(BaseModel):
         50.0, gt=0, description="answer speed assumed to place the next turn on the trace clock"
     )
     block_size: int = Field(16, ge=1, description="tokens per prefix block id")
+    classes: dict[str, AppClassSpec] | None = Field(
+        None,
+        description="app classes whose sessions behave differently (name -> share and "
+        "fields); the class name is the session's app_class, as an API key's app would be",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> GeneratorConfig:
@@ -87,7 +107,18 @@ class GeneratorConfig(BaseModel):
             raise ValueError("document_share > 0 needs document_tokens")
         if self.mean_turns > self.max_turns:
             raise ValueError(f"mean_turns {self.mean_turns} exceeds max_turns {self.max_turns}")
+        for name, spec in (self.classes or {}).items():
+            fixed = sorted(set(spec.set) & set(POPULATION_FIELDS))
+            if fixed:
+                raise ValueError(f"class {name!r} cannot set population fields {fixed}")
+            self.of_class(name)  # validates the class's fields
         return self
+
+    def of_class(self, name: str) -> GeneratorConfig:
+        """The config a session of class `name` draws its turns from."""
+        spec = (self.classes or {})[name]
+        base = self.model_dump(exclude={"classes"}, exclude_none=True)
+        return GeneratorConfig.model_validate({**base, **spec.set})
 
     @property
     def abandon_prob(self) -> float:

@@ -5,7 +5,9 @@ The model, per session:
 - sessions arrive as a renewal process with Gamma-distributed gaps of mean `1/session_rate`
   and coefficient of variation `arrival_cv` (cv 1 is a Poisson process; above 1, bursts);
 - each session picks an app (its system prompt) and a tenant uniformly; with probability
-  `document_share` its first message carries a document of `document_tokens`;
+  `document_share` its first message carries a document of `document_tokens`. With
+  `classes`, it picks an app class by share instead, and draws its turns, think times and
+  lengths from that class's fields (one system prompt per class, shared by its sessions);
 - after each turn the user leaves with probability `1/mean_turns` (abandonment, so turns per
   session are geometric with that mean, capped at `max_turns`); otherwise they return after a
   think time drawn from a two-part mixture: a quick follow-up (lognormal, median
@@ -45,17 +47,23 @@ def generate(
         else ("", 0)
         for _ in range(config.apps)
     ]
+    classes = _classes(rng, config, corpus, length)
     starts = session_starts(rng, config.sessions, config.session_rate, config.arrival_cv)
     sessions = []
     for index, start in enumerate(starts):
-        app = int(rng.integers(config.apps))
+        if classes:
+            name, drawn_from, (system_prompt, system_tokens) = classes[_pick(rng, config)]
+            app_class = name
+        else:
+            app = int(rng.integers(config.apps))
+            drawn_from, app_class = config, f"app{app}"
+            system_prompt, system_tokens = system_prompts[app]
         tenant = int(rng.integers(config.tenants))
-        system_prompt, system_tokens = system_prompts[app]
         session = Session(
             session_id=f"s{index:05d}",
-            turns=_turns(rng, config, corpus, length, float(start)),
+            turns=_turns(rng, drawn_from, corpus, length, float(start)),
             tenant=f"tenant{tenant}",
-            app_class=f"app{app}",
+            app_class=app_class,
             system_prompt=system_prompt,
             system_tokens=system_tokens,
         )
@@ -66,6 +74,25 @@ def generate(
         block_size=config.block_size,
         max_history_tokens=config.max_history_tokens,
     )
+
+
+def _classes(
+    rng: np.random.Generator, config: GeneratorConfig, corpus: Corpus, length: LengthFn
+) -> list[tuple[str, GeneratorConfig, tuple[str, int]]]:
+    """Per app class (in the config's order): its name, the config its sessions draw from, and
+    its system prompt, shared by all its sessions (a document Q&A class's long shared prefix)."""
+    out = []
+    for name in config.classes or {}:
+        drawn_from = config.of_class(name)
+        tokens = drawn_from.system_prompt_tokens
+        prompt = corpus.text_of_tokens(rng, tokens, length) if tokens else ("", 0)
+        out.append((name, drawn_from, prompt))
+    return out
+
+
+def _pick(rng: np.random.Generator, config: GeneratorConfig) -> int:
+    shares = np.array([spec.share for spec in (config.classes or {}).values()])
+    return int(rng.choice(len(shares), p=shares / shares.sum()))
 
 
 def session_starts(rng: np.random.Generator, count: int, rate: float, cv: float) -> np.ndarray:

@@ -8,7 +8,15 @@
   those), so resumed turns are a real share.
 - `default`: a mixed population: chats with short messages next to sessions that open with a
   long document, four apps with their own system prompts, bursty arrivals, and about 40% of
-  returns after a pause of minutes (resumed turns are a real share).
+  returns after a pause of minutes (resumed turns are a real share). Every gap is drawn
+  independently of the session and its app: nothing observable tells which idle session
+  returns soon (the hard case for a predictor).
+- `multiclass`: three app classes whose return behaviour differs as Wang et al. (USENIX ATC'25,
+  "KVCache Cache in the Wild") describe for API and chat traffic; the class is the session's
+  app_class, as an API key's app would be. `agent`: tool loops that return in seconds, many
+  turns, a long tool-description system prompt. `chat`: people who return after minutes or
+  leave (about 2.5 turns). `docqa`: questions about one long document every session shares
+  (a 12K-token system prompt), a follow-up after tens of seconds or a pause of minutes.
 """
 
 from __future__ import annotations
@@ -67,6 +75,65 @@ PRESETS: dict[str, dict[str, Any]] = {
         "document_share": 0.3,
         "document_tokens": {"mean": 6000, "cv": 0.8, "min_tokens": 1000, "max_tokens": 30000},
         "max_history_tokens": 32768,
+    },
+    "multiclass": {
+        "sessions": 400,
+        "session_rate": 0.25,
+        "arrival_cv": 1.5,
+        "mean_turns": 4.0,
+        "max_turns": 40,
+        "followup_share": 0.5,
+        "followup_median_s": 10.0,
+        "pause_median_s": 240.0,
+        "system_prompt_tokens": 600,
+        "tenants": 3,
+        "user_tokens": {"mean": 120, "cv": 1.0, "min_tokens": 4, "max_tokens": 2000},
+        "answer_tokens": {"mean": 300, "cv": 0.8, "min_tokens": 8, "max_tokens": 2048},
+        "max_history_tokens": 32768,
+        "classes": {
+            "agent": {
+                "share": 0.3,
+                "set": {
+                    "mean_turns": 10.0,
+                    "followup_share": 1.0,
+                    "followup_median_s": 3.0,
+                    "followup_sigma": 0.6,
+                    "system_prompt_tokens": 3000,
+                    "user_tokens": {"mean": 400, "cv": 1.0, "min_tokens": 16, "max_tokens": 4000},
+                    "answer_tokens": {"mean": 150, "cv": 0.8, "min_tokens": 8, "max_tokens": 1024},
+                },
+            },
+            "chat": {
+                "share": 0.45,
+                "set": {
+                    "mean_turns": 2.5,
+                    "max_turns": 20,
+                    "followup_share": 0.15,
+                    "followup_median_s": 20.0,
+                    "pause_median_s": 180.0,
+                    "pause_sigma": 1.0,
+                    "document_share": 0.2,
+                    "document_tokens": {
+                        "mean": 6000,
+                        "cv": 0.8,
+                        "min_tokens": 1000,
+                        "max_tokens": 30000,
+                    },
+                },
+            },
+            "docqa": {
+                "share": 0.25,
+                "set": {
+                    "mean_turns": 5.0,
+                    "max_turns": 20,
+                    "followup_share": 0.6,
+                    "followup_median_s": 40.0,
+                    "pause_median_s": 600.0,
+                    "system_prompt_tokens": 12000,
+                    "user_tokens": {"mean": 60, "cv": 0.8, "min_tokens": 4, "max_tokens": 500},
+                },
+            },
+        },
     },
 }
 

@@ -1,0 +1,105 @@
+"""The demand forecast, and the cost policy pricing device space by it: idle KV keeps a device
+with room for free, and is demoted on the timer once forecast arrivals would need the space."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.policy.cost_policy import CostPolicy
+from kvtier.policy.demand import DemandForecast
+from kvtier.policy.view import SessionView, TurnView
+
+GB = 10**9
+
+
+def arrivals(kv, count: int, tokens: int, every_s: float) -> list[SessionView]:
+    """`count` new sessions of `tokens` tokens each, one every `every_s` seconds, all running."""
+    return [
+        SessionView(f"new{i}", turns=(TurnView(i * every_s, tokens),), active=True)
+        for i in range(count)
+    ]
+
+
+def feed(kv, forecast: DemandForecast, sessions: list[SessionView], every_s: float) -> float:
+    """Show `forecast` one view per arrival, as a policy on a timer would; returns the time."""
+    now = 0.0
+    for i in range(len(sessions)):
+        now = i * every_s
+        forecast.observe(kv.view(sessions[: i + 1], {"device": 1000 * GB}), now)
+    return now
+
+
+def test_no_arrivals_no_demand(kv):
+    forecast = DemandForecast()
+    forecast.observe(kv.view([kv.session("a", 4096)], {"device": 80 * GB}), 0.0)
+    levels, tail = forecast.exceedance(5.0, 10.0)
+    assert len(levels) == 0 and len(tail) == 0
+
+
+def test_one_large_context_every_ten_seconds(kv):
+    forecast = DemandForecast(window_s=120.0)
+    size = 8192 * kv.BYTES_PER_TOKEN
+    now = feed(kv, forecast, arrivals(kv, 13, 8192, 10.0), 10.0)
+    levels, tail = forecast.exceedance(5.0, now)
+    # Poisson(0.5) arrivals of exactly `size` in 5 s: at least one with probability 1 - e^-0.5
+    below = levels < size
+    assert tail[below][1:] == pytest.approx(1 - math.exp(-13 / 120 * 5), rel=0.05)
+    assert tail[0] >= tail[-1] and tail[-1] < 0.05
+    assert list(tail) == sorted(tail, reverse=True)
+
+
+def test_arrivals_leave_the_window(kv):
+    forecast = DemandForecast(window_s=30.0)
+    now = feed(kv, forecast, arrivals(kv, 5, 4096, 1.0), 1.0)
+    assert len(forecast.exceedance(5.0, now)[0]) > 0
+    assert len(forecast.exceedance(5.0, now + 60.0)[0]) == 0
+
+
+def test_a_turn_whose_history_is_on_the_device_brings_only_its_new_tokens(kv):
+    forecast = DemandForecast(window_s=600.0)
+    idle = kv.session("a", 8192, idle_since=0.0)
+    forecast.observe(kv.view([idle], {"device": 80 * GB}), 1.0)
+    back = SessionView(
+        "a",
+        turns=(*idle.turns, TurnView(10.0, 256)),
+        chunks=idle.chunks,
+        active=True,
+    )
+    forecast.observe(kv.view([back], {"device": 80 * GB}), 10.0)
+    levels, tail = forecast.exceedance(5.0, 10.0)
+    # arrivals of 256 tokens: needing the 4,096 tokens' worth a reload of the history would
+    # take is all but impossible (sixteen of them in 5 s)
+    assert tail[0] > 0.3
+    assert levels[tail > 0.01].max() < 4096 * kv.BYTES_PER_TOKEN
+
+
+def test_idle_kv_keeps_a_nearly_full_device_when_nothing_arrives(kv):
+    policy = CostPolicy(kv.slow_model())
+    sessions = [kv.session(f"s{i}", 8192, idle_since=0.0) for i in range(9)]
+    capacity = {"device": 10 * 8192 * kv.BYTES_PER_TOKEN, "host": 200 * GB}
+    v = kv.view(sessions, capacity)
+    for now in (5.0, 10.0, 15.0, 20.0):
+        assert not kv.changes(policy.decide(v, now))
+
+
+def test_idle_kv_is_demoted_ahead_of_forecast_arrivals(kv):
+    policy = CostPolicy(kv.slow_model())
+    idle = [kv.session(f"s{i}", 8192, idle_since=0.0) for i in range(9)]
+    capacity = {"device": 10 * 8192 * kv.BYTES_PER_TOKEN, "host": 200 * GB}
+    # long new conversations arrive every 2 s, each finished before the next: the device has
+    # room for one, and more are coming than the idle sessions (silent for minutes) will use
+    now = 0.0
+    for i in range(10):
+        now = 300.0 + 2.0 * i
+        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
+        v = kv.view([*idle, arrived], capacity)
+        policy.decide(v, now)
+    v = kv.view(idle, capacity)
+    where = kv.placement(v, policy.decide(v, now + 1.0))
+    demoted = {sid for (sid, _), tier in where.items() if tier == "host"}
+    assert demoted, "the forecast should free device space before the next arrival"
+    assert not any(tier is None for tier in where.values())  # offloaded, not dropped
+    after = kv.apply(v, policy.decide(v, now + 1.0))
+    assert after.tier("device").free_bytes >= 8192 * kv.BYTES_PER_TOKEN
