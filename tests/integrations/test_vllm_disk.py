@@ -4,6 +4,8 @@ corrupted on disk are detected, counted and recomputed: the outputs never change
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from .conftest import computed, loadable, run_driver
@@ -26,7 +28,7 @@ def test_resumed_turns_load_from_disk_with_unchanged_outputs(runs, baseline):
     for ours, theirs in zip(first["turns"], baseline["turns"], strict=True):
         assert ours["output"] == theirs["output"], ours["note"]
     turns = first["turns"]
-    for previous, turn in zip(turns[0:2], turns[1:3], strict=True):
+    for previous, turn in itertools.pairwise(turns[:3]):
         expected = loadable(computed(previous), turn["prompt_tokens"])
         assert turn["tokens"]["disk"] == expected > 0, turn["note"]
 
