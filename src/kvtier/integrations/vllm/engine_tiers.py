@@ -1,30 +1,25 @@
-"""EngineTiers: kvtier's tiered connector behind one vLLM engine, in vLLM's calls.
+"""EngineTiers: kvtier's tiered connector beside one vLLM worker's KV cache.
 
 It holds a `kvtier.cache.TieredConnector` (the same tiers, store, mover, restore planner,
 write-through and retention policy as kvtier's own engine) bound to an `EngineContext` made
 of adapters over vLLM: `PagedKVPort` (vLLM's per-layer paged KV, through its block ids),
-`VllmBlockView` (vLLM's pool as kvtier may see it) and `RequestView`s. The vLLM connector
-class (`connector.py`) only forwards to it.
+`VllmBlockView` (vLLM's pool as kvtier may see it) and `RequestView`s. It runs where the KV
+tensors are (vLLM's worker); the scheduler side (`scheduler_side.py`) reaches it only
+through each step's messages (`messages.py`):
 
-vLLM builds two connector objects, a scheduler one and a worker one. kvtier's restore plan
-(scheduler side) and its loads (worker side) are one `Restorer`, so both objects share this
-instance through `REGISTRY` (keyed by vLLM's engine id): the worker side creates it when
-vLLM registers the KV tensors, which vLLM does before it builds the scheduler. That needs
-the worker in the scheduler's process, which is vLLM's default for one device (the uniproc
-executor); other executors are refused with a clear error.
+    Lookup      the request is tracked (tenant, session, prefix chain), discovery and
+                prefetch start; when asked, the Restorer's plan from vLLM's own hits says
+                how many tokens kvtier can fill (the reply goes back with this step)
+    Allocation  vLLM's block ids for those tokens become load jobs
+    (loads)     before the forward: chunks written into vLLM's blocks; a chunk that fails
+                names its blocks for vLLM's load-error path (they are recomputed)
+    Save        after the forward: full chunks copied out of vLLM's blocks and written to
+                the top tier on the mover's worker (write-through as chunks fill up)
+    Finish      the session remembered for the policy and for prefix chains
+    after_step  finished writes accounted, the policy's timer
 
-Flow per request:
-    on_new_request      identity (tenant, session), discovery and prefetch start
-    matched_tokens      the Restorer's plan from vLLM's own hits: tokens kvtier can fill
-    allocated           vLLM's block ids for those tokens become load jobs
-    run_loads (worker)  before the forward: chunks written into vLLM's blocks; a chunk that
-                        fails names its blocks for vLLM's load-error path (recomputed)
-    finished            full chunks written through to the top tier (one gather; the tier
-                        write runs on the mover), session remembered for the policy
-    after_step          finished writes accounted, the policy's timer
-
-vLLM calls these from its engine-core loop; a lock keeps the scheduler and worker sides
-from interleaving if a vLLM version runs them on two threads.
+The worker is the only caller; the lock guards the report read by other threads (tests,
+stats).
 """
 
 from __future__ import annotations
@@ -36,7 +31,15 @@ from kvtier.cache.connector import TieredConnector
 from kvtier.engine.connector import EngineContext, KVBlockPort, QueueDemand
 from kvtier.engine.sessions import SessionTracker
 from kvtier.integrations.vllm.block_view import VllmBlockView
-from kvtier.integrations.vllm.requests import RequestView, SessionChains, VllmRequest, identity
+from kvtier.integrations.vllm.messages import (
+    Allocation,
+    Finish,
+    Lookup,
+    Save,
+    StepMessages,
+    WorkerReply,
+)
+from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 _NO_QUEUE = QueueDemand(0, 0, 0)  # vLLM does not show a connector its waiting queue
@@ -69,115 +72,137 @@ class EngineTiers:
         )
         self.lock = threading.RLock()
         self.views: dict[str, RequestView] = {}
-        self._local: dict[str, int] = {}  # request id -> vLLM's own hit (tokens) at the ask
-        self._promised: dict[str, int] = {}  # request id -> tokens promised, until allocated
         self._loading: dict[str, tuple[int, list[int]]] = {}  # id -> (first block, block ids)
         self._admitted: list[RequestView] = []
         self._load_errors: set[int] = set()
+        self._promised: dict[str, int] = {}  # request id -> tokens promised, until allocated
+        self._replies: dict[str, tuple[int, int]] = {}  # answers for this step's reply
 
-    # ----- scheduler side ----------------------------------------------------------------
+    # ----- before the forward ------------------------------------------------------------
 
-    def on_new_request(self, request: VllmRequest) -> RequestView:
+    def before_forward(self, messages: StepMessages) -> None:
+        """Finishes, lookups and allocations in the order the scheduler sent them, then this
+        step's loads into vLLM's blocks."""
         with self.lock:
-            tenant, session_id = identity(request)
-            view = RequestView(request, self.model, tenant, session_id)
+            for finish in messages.finishes:
+                self._finish(finish)
+            for lookup in messages.lookups:
+                self._lookup(lookup)
+            for allocation in messages.allocations:
+                self._allocate(allocation)
+            if messages.allocations:
+                self._run_loads()
+
+    def _lookup(self, lookup: Lookup) -> None:
+        record = lookup.record
+        view = self.views.get(record.request_id)
+        if view is None:
+            tenant, session_id = identity(record)
+            view = RequestView(record, self.model, tenant, session_id)
             if view.session_id is None:
                 keys = view.keys_of_full_blocks(self.block_size)
                 view.session_id = self.chains.session_of(keys, view.request_id)
             self.sessions.start_turn(view.session_id, view.request_id, view.num_prompt_tokens)
             self.views[view.request_id] = view
             self.connector.on_request_added(view)  # discovery in shared tiers, prefetch
-            return view
+        else:
+            view.request = record  # its tokens as of now (a re-admission carries outputs)
+        if lookup.readmitted:
+            self.connector.on_preempted(view)  # re-planned from scratch
+            view.num_cached_tokens = None
+        if lookup.ask:
+            tokens = self.connector.num_loadable_tokens(view, lookup.num_computed_tokens)
+            self._promised[view.request_id] = tokens
+            self._replies[view.request_id] = (lookup.num_computed_tokens, tokens)
 
-    def matched_tokens(self, request: VllmRequest, num_computed_tokens: int) -> int:
-        """Prompt tokens kvtier can fill from `num_computed_tokens` (vLLM's own hits) on."""
-        with self.lock:
-            view = self.views.get(request.request_id) or self.on_new_request(request)
-            if view.num_cached_tokens is not None:
-                # admitted before and preempted since: vLLM asks again from scratch
-                self.connector.on_preempted(view)
-                view.num_cached_tokens = None
-            self._local[view.request_id] = num_computed_tokens
-            tokens = self.connector.num_loadable_tokens(view, num_computed_tokens)
-            if tokens:
-                self._promised[view.request_id] = tokens
-            else:
-                self._promised.pop(view.request_id, None)
-            return tokens
+    def _allocate(self, allocation: Allocation) -> None:
+        view = self.views.get(allocation.request_id)
+        if view is None:
+            return
+        promised = self._promised.pop(view.request_id, 0)
+        external = allocation.num_external_tokens
+        if promised:
+            ids = allocation.block_ids
+            if external != promised or len(ids) * self.block_size != promised:
+                ids = []  # vLLM took fewer tokens than promised: recomputed instead
+            self.connector.on_blocks_allocated(view, ids)
+            if ids:
+                self._loading[view.request_id] = (
+                    allocation.num_computed_tokens // self.block_size,
+                    ids,
+                )
+        if view.num_cached_tokens is None:
+            view.num_cached_tokens = allocation.num_computed_tokens + (external if promised else 0)
+            self._admitted.append(view)
 
-    def allocated(
-        self, request: VllmRequest, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        """vLLM allocated the request's blocks (`block_ids`: all of them, from its first)."""
-        with self.lock:
-            view = self.views.get(request.request_id)
-            if view is None:
-                return
-            rid = view.request_id
-            local = self._local.pop(rid, 0)
-            promised = self._promised.pop(rid, 0)
-            if promised:
-                first = local // self.block_size
-                ids = block_ids[first : first + promised // self.block_size]
-                if num_external_tokens != promised or len(ids) * self.block_size != promised:
-                    ids = []  # vLLM took fewer tokens than promised: recomputed instead
-                self.connector.on_blocks_allocated(view, ids)
-                if ids:
-                    self._loading[rid] = (first, ids)
-            if view.num_cached_tokens is None:
-                view.num_cached_tokens = local + (num_external_tokens if promised else 0)
-                self._admitted.append(view)
-
-    def finished(self, request: VllmRequest, block_ids: list[int]) -> None:
-        """Before vLLM frees the request's blocks: its full chunks are copied out (the copy
-        is the only part paid here; the tier write runs on the mover's worker)."""
-        with self.lock:
-            view = self.views.pop(request.request_id, None)
-            if view is None:
-                return
-            rid = view.request_id
-            for table in (self._local, self._promised, self._loading):
-                table.pop(rid, None)
-            bs = self.block_size
-            computed = min(request.num_computed_tokens // bs, len(block_ids))
-            keys = view.keys_of_full_blocks(bs)[:computed]
-            with self.block_view.bind(keys, block_ids[:computed]):
-                self.connector.on_request_finished(view)
-            self.connector.spiller.forget(keys)  # vLLM reports no evictions
-            self.sessions.end_turn(rid)
-            prompt_blocks = min(view.num_prompt_tokens // bs, len(keys))
-            ends = [keys[i - 1] for i in {prompt_blocks, len(keys)} if i]
-            if view.session_id is not None:
-                self.chains.remember(view.session_id, ends)
-
-    def after_step(self) -> None:
-        with self.lock:
-            self.connector.after_step()
-
-    # ----- worker side -------------------------------------------------------------------
-
-    def run_loads(self) -> None:
-        """This step's loads into vLLM's blocks, before the forward pass."""
-        with self.lock:
-            failed = self.connector.wait_for_loads()
-            for rid, first_bad in failed.items():
-                first, ids = self._loading.get(rid, (first_bad, []))
-                self._load_errors.update(ids[first_bad - first :])
-                view = self.views.get(rid)
-                if view is not None and view.num_cached_tokens is not None:
-                    view.num_cached_tokens = min(
-                        view.num_cached_tokens, first_bad * self.block_size
-                    )
-            self._loading.clear()
-            for view in self._admitted:
-                self.connector.on_admitted(view)  # prompt-token sources counted
-                self.sessions.record_prefix(view.request_id, view.num_cached_tokens or 0)
-            self._admitted.clear()
+    def _run_loads(self) -> None:
+        failed = self.connector.wait_for_loads()
+        for rid, first_bad in failed.items():
+            first, ids = self._loading.get(rid, (first_bad, []))
+            self._load_errors.update(ids[first_bad - first :])
+            view = self.views.get(rid)
+            if view is not None and view.num_cached_tokens is not None:
+                view.num_cached_tokens = min(view.num_cached_tokens, first_bad * self.block_size)
+        self._loading.clear()
+        for view in self._admitted:
+            self.connector.on_admitted(view)  # prompt-token sources counted
+            self.sessions.record_prefix(view.request_id, view.num_cached_tokens or 0)
+        self._admitted.clear()
 
     def take_load_errors(self) -> set[int]:
         with self.lock:
             errors, self._load_errors = self._load_errors, set()
             return errors
+
+    # ----- after the forward -------------------------------------------------------------
+
+    def after_forward(self, messages: StepMessages) -> None:
+        """Copy out the chunks this step's forward completed, then the policy's timer."""
+        with self.lock:
+            for save in messages.saves:
+                self._save(save)
+            self.connector.after_step()
+
+    def _save(self, save: Save) -> None:
+        view = self.views.get(save.request_id)
+        if view is None:
+            return
+        _extend(view, save.tokens_from, save.tokens)
+        k = self.connector.blocks_per_chunk
+        keys = view.keys_of_full_blocks(self.block_size)[: save.end_chunk * k]
+        ids = save.block_ids[: len(keys)]
+        with self.block_view.bind(keys, ids):
+            # the gather is the copy; the tier write runs on the mover's worker
+            self.connector.spiller.write_through_chunks(
+                keys[save.first_chunk * k :], self.connector.chunks.namespace_of(view)
+            )
+
+    def _finish(self, finish: Finish) -> None:
+        view = self.views.pop(finish.request_id, None)
+        if view is None:
+            return
+        self._promised.pop(finish.request_id, None)
+        self._loading.pop(finish.request_id, None)
+        _extend(view, finish.tokens_from, finish.tokens)
+        view.request.num_computed_tokens = finish.num_computed_tokens
+        bs = self.block_size
+        keys = view.keys_of_full_blocks(bs)[: finish.num_computed_tokens // bs]
+        # no device block is reachable now: this only remembers the session for the policy
+        self.connector.on_request_finished(view)
+        self.connector.spiller.forget(keys)  # vLLM reports no evictions
+        self.sessions.end_turn(finish.request_id)
+        prompt_blocks = min(view.num_prompt_tokens // bs, len(keys))
+        ends = [keys[i - 1] for i in {prompt_blocks, len(keys)} if i]
+        if view.session_id is not None:
+            self.chains.remember(view.session_id, ends)
+
+    def reply(self) -> WorkerReply:
+        """What the scheduler side learns after this step."""
+        with self.lock:
+            answers, self._replies = self._replies, {}
+            c = self.connector
+            may_hit = bool(len(c.store)) or c.writes.staging or "remote" in c.store.tiers
+            return WorkerReply(answers, may_hit)
 
     # ----- reporting and lifecycle -------------------------------------------------------
 
@@ -193,6 +218,11 @@ class EngineTiers:
     def close(self) -> None:
         with self.lock:
             self.connector.close()
+
+
+def _extend(view: RequestView, start: int, tokens: list[int]) -> None:
+    if tokens:
+        view.request.all_token_ids[start : start + len(tokens)] = tokens
 
 
 class Registry:

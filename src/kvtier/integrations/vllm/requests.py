@@ -40,6 +40,30 @@ class VllmRequest(Protocol):
 
 
 @dataclass
+class RequestRecord:
+    """What the worker side knows of a vLLM request: the scheduler side sends it over (vLLM
+    may run them in two processes), its tokens extended as chunks fill up."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_computed_tokens: int = 0
+
+    @classmethod
+    def of(cls, request: VllmRequest) -> RequestRecord:
+        return cls(
+            request.request_id,
+            list(request.all_token_ids),
+            request.num_prompt_tokens,
+            request.cache_salt,
+            dict(request.kv_transfer_params or {}) or None,
+            request.num_computed_tokens,
+        )
+
+
+@dataclass
 class _Metrics:
     prompt_token_sources: dict[str, int] | None = None
 
