@@ -1,5 +1,6 @@
-"""The vLLM connector's adapters that need no vLLM: its settings, the block port over paged
-per-layer KV tensors, and sessions reconstructed from prefix chains."""
+"""The vLLM connector's parts that need no vLLM: its settings, the block port over paged
+per-layer KV tensors, sessions reconstructed from prefix chains, and the scheduler side's
+messages to the worker."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.kv_port import PagedKVPort
+from kvtier.integrations.vllm.messages import WorkerReply
 from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.settings import parse_settings
 
 BLOCK = 16
@@ -128,3 +131,50 @@ def test_the_same_tokens_of_another_tenant_have_other_keys_and_no_session():
     their_keys = theirs.keys_of_full_blocks(BLOCK)
     assert not set(keys) & set(their_keys)
     assert chains.session_of(their_keys, "r2") == "chain-r2"
+
+
+def test_scheduler_side_asks_the_worker_then_answers_vllm_from_its_reply():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    request = FakeVllmRequest("r1", list(range(100, 200)))
+    side.on_new_request(request)
+    assert side.matched_tokens(request, 0) is None  # vLLM schedules it once the answer is back
+    assert side.matched_tokens(request, 0) is None  # asked once, not again
+    messages = side.step({}, lambda rid: [])
+    assert [(m.ask, m.num_computed_tokens) for m in messages.lookups] == [(False, 0), (True, 0)]
+    side.on_reply(WorkerReply({"r1": (0, 64)}, may_hit=True))
+    assert side.matched_tokens(request, 0) == 64
+    side.allocated(request, [7, 8, 9, 10, 11, 12, 13], 64)
+    (allocation,) = side.step({}, lambda rid: []).allocations
+    assert allocation.block_ids == [7, 8, 9, 10]  # 64 tokens from vLLM's hit at 0
+    request.num_computed_tokens = 90
+    assert side.matched_tokens(request, 0) is None  # preempted, asked again from scratch
+    (lookup,) = side.step({}, lambda rid: []).lookups
+    assert lookup.readmitted
+
+
+def test_scheduler_side_answers_zero_at_once_when_nothing_is_stored():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    side.on_reply(WorkerReply({}, may_hit=False))
+    request = FakeVllmRequest("r1", list(range(100, 200)))
+    side.on_new_request(request)
+    assert side.matched_tokens(request, 0) == 0
+
+
+def test_scheduler_side_saves_each_chunk_once_in_the_step_that_fills_it():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    request = FakeVllmRequest("r1", list(range(100, 180)))  # 80 tokens: 2 chunks and a tail
+    side.on_new_request(request)
+    side.step({}, lambda rid: [])
+    blocks = list(range(20, 25))
+    (save,) = side.step({"r1": 80}, lambda rid: blocks).saves
+    assert (save.first_chunk, save.end_chunk, save.block_ids) == (0, 2, blocks[:4])
+    assert save.tokens == []  # the worker has the prompt from the lookup
+    request.num_computed_tokens = 80
+    request.all_token_ids += list(range(16))  # decoding: 96 tokens, the third chunk fills
+    assert side.step({"r1": 1}, lambda rid: blocks).saves == []
+    (save,) = side.step({"r1": 16}, lambda rid: blocks).saves
+    assert (save.first_chunk, save.end_chunk, save.tokens_from) == (2, 3, 80)
+    assert save.tokens == list(range(16))
+    side.finished(request)
+    (finish,) = side.step({}, lambda rid: blocks).finishes
+    assert (finish.request_id, finish.num_computed_tokens) == ("r1", 80)
