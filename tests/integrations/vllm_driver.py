@@ -112,6 +112,8 @@ def main() -> None:
         enable_prefix_caching=True,
         enforce_eager=True,
         seed=0,
+        # what the connector makes vLLM do anyway: the same KV manager in every mode
+        disable_hybrid_kv_cache_manager=True,
         kv_transfer_config=tiers_config(args.mode, args.disk_dir),
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
