@@ -201,7 +201,9 @@ class EngineTiers:
         with self.lock:
             answers, self._replies = self._replies, {}
             c = self.connector
-            may_hit = bool(len(c.store)) or c.writes.staging or "remote" in c.store.tiers
+            # a shared tier (Redis) may hold what another replica wrote: always worth asking
+            shared = any(tier.shared for tier in c.store.tiers.values())
+            may_hit = bool(len(c.store)) or c.writes.staging or shared
             return WorkerReply(answers, may_hit)
 
     # ----- reporting and lifecycle -------------------------------------------------------
