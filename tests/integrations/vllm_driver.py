@@ -11,7 +11,9 @@ MODE: `baseline` (no connector), `host` (host tier), `disk` (disk tier only): tu
 with vLLM's prefix cache emptied (`reset_prefix_cache()`) before each resumed turn, then a
 fourth after a flood that evicts the session from vLLM's small KV space. `disk-resume`:
 turn 3 of `--history`'s session in a fresh process whose disk tier is `--disk-dir` (the
-`disk` run's), then every record there corrupted and turn 3 again.
+`disk` run's), then every record there corrupted and turn 3 again. `redis`: a Redis tier
+only (a redis-server this script starts on `--redis-port`): turns 1-2, then the server is
+stopped and turn 3 runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -38,12 +42,14 @@ def flood_tokens() -> list[int]:
     return [rng.randrange(100, 49152) for _ in range(FLOOD_TOKENS)]
 
 
-def tiers_config(mode: str, disk_dir: str | None) -> dict | None:
+def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dict | None:
     if mode == "baseline":
         return None
     tiers: dict = {"chunk_tokens": 128}
     if mode == "host":
         tiers["host_bytes"] = "256MiB"
+    elif mode == "redis":
+        tiers.update(host_bytes=0, remote_url=remote_url, remote_bytes="512MiB")
     else:
         tiers.update(host_bytes=0, disk_dir=disk_dir, disk_bytes="1GiB")
     return {
@@ -90,13 +96,38 @@ def corrupt(folder: Path) -> int:
     return flipped
 
 
+def start_redis(port: int) -> subprocess.Popen:
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"redis-server on port {port} did not answer in 30 s")
+        time.sleep(0.1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("baseline", "host", "disk", "disk-resume"))
+    parser.add_argument("mode", choices=("baseline", "host", "disk", "disk-resume", "redis"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--disk-dir")
     parser.add_argument("--history", type=Path)
+    parser.add_argument("--redis-port", type=int)
     args = parser.parse_args()
+    redis = remote_url = None
+    if args.mode == "redis":
+        redis = start_redis(args.redis_port)
+        remote_url = f"redis://127.0.0.1:{args.redis_port}/0"
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -114,7 +145,7 @@ def main() -> None:
         seed=0,
         # what the connector makes vLLM do anyway: the same KV manager in every mode
         disable_hybrid_kv_cache_manager=True,
-        kv_transfer_config=tiers_config(args.mode, args.disk_dir),
+        kv_transfer_config=tiers_config(args.mode, args.disk_dir, remote_url),
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict = {"mode": args.mode, "load_s": time.perf_counter() - started, "turns": []}
@@ -143,6 +174,16 @@ def main() -> None:
         result["flipped_bytes"] = corrupt(Path(args.disk_dir))
         llm.reset_prefix_cache()
         turn(prompt, "turn 3 from corrupted records")
+    elif redis is not None:
+        prompt = user_tokens(0)
+        for index in range(3):
+            if index:
+                llm.reset_prefix_cache()
+            if index == 2:
+                redis.terminate()
+                redis.wait(timeout=30)
+            output = turn(prompt, f"turn {index + 1}")
+            prompt = prompt + output + user_tokens(index + 1)
     else:
         prompt = user_tokens(0)
         for index in range(3):
