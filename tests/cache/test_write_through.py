@@ -137,3 +137,18 @@ def test_retain_writes_nothing_through(engine, expected):
     assert host_chunks(connector) == 0
     assert connector.counters["written_through_chunks"] == 0
     assert_no_leak(engine)
+
+
+def test_forgotten_blocks_are_not_spilled_when_evicted(engine):
+    """An engine that never reports evictions (vLLM) drops a finished request's mapping
+    with `Spiller.forget`; an eviction reported after that finds no chunk to spill."""
+    turns = aligned_turns()
+    connector = attach(engine, write_through=False)
+    first_turn(engine, turns)
+    keys = connector.runner.sessions["s1"].keys
+    connector.spiller.forget(keys)
+    for key in keys:
+        connector.on_block_evicted(engine.block_pool.lookup(key), key)
+    assert connector.flush(timeout=30)
+    assert connector.stats()["counters"]["evicted_unknown"] == len(keys)
+    assert host_chunks(connector) == 0

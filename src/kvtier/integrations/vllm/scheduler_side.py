@@ -1,0 +1,136 @@
+"""SchedulerSide: the connector's bookkeeping in vLLM's scheduler, with no tiers in reach.
+
+kvtier's store lives with the worker (which holds the KV tensors). The scheduler side turns
+vLLM's scheduler calls into the worker's messages (`messages.py`) and answers vLLM from the
+worker's replies:
+
+- a new request is sent as a `Lookup`; while its answer is not back, vLLM is told "ask again"
+  (`None`), so vLLM schedules it one step later (that step costs no forward when nothing
+  else runs). When the worker says nothing could hit (an empty store), the answer is 0 at once.
+- `allocated`: the block ids vLLM gave the promised tokens (`Allocation`).
+- every step, each scheduled request whose computed tokens reach the end of a chunk sends a
+  `Save` of those chunks with its block ids: the worker copies them out after the forward.
+  Saving while the request runs means `request_finished` never delays vLLM's freeing.
+- `finished`: a `Finish` (sessions, prefix chains, the policy's view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvtier.integrations.vllm.messages import (
+    Allocation,
+    Finish,
+    Lookup,
+    Save,
+    StepMessages,
+    WorkerReply,
+)
+from kvtier.integrations.vllm.requests import RequestRecord, VllmRequest
+
+
+@dataclass
+class _Tracked:
+    request: VllmRequest
+    tokens_sent: int  # how many of its tokens the worker has
+    chunks_saved: int = 0
+    asked_at: int | None = None  # the vLLM hit of the lookup in flight
+    answer: tuple[int, int] | None = None
+    admitted: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, block_size: int, chunk_tokens: int) -> None:
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = chunk_tokens // block_size
+        self.may_hit = True  # until the worker's first reply says otherwise
+        self._requests: dict[str, _Tracked] = {}
+        self._messages = StepMessages()
+
+    def on_new_request(self, request: VllmRequest) -> None:
+        record = RequestRecord.of(request)
+        self._requests[request.request_id] = _Tracked(request, len(record.all_token_ids))
+        self._messages.lookups.append(Lookup(record, 0, ask=False))
+
+    def matched_tokens(self, request: VllmRequest, num_computed_tokens: int) -> int | None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:  # a vLLM that skipped on_new_request
+            self.on_new_request(request)
+            tracked = self._requests[request.request_id]
+        readmitted = tracked.admitted
+        if readmitted:  # preempted and asked again from scratch
+            tracked.admitted, tracked.answer, tracked.asked_at = False, None, None
+        if tracked.answer is not None and tracked.answer[0] == num_computed_tokens:
+            return tracked.answer[1]
+        if not self.may_hit and not readmitted:
+            return 0
+        if tracked.asked_at != num_computed_tokens:
+            tracked.asked_at = num_computed_tokens
+            record = RequestRecord.of(request)
+            tracked.tokens_sent = len(record.all_token_ids)
+            self._messages.lookups.append(
+                Lookup(record, num_computed_tokens, ask=True, readmitted=readmitted)
+            )
+        return None
+
+    def allocated(
+        self, request: VllmRequest, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.admitted = True
+        hit = tracked.answer[0] if tracked.answer is not None else request.num_computed_tokens
+        first = hit // self.block_size
+        ids = block_ids[first : first + num_external_tokens // self.block_size]
+        self._messages.allocations.append(
+            Allocation(request.request_id, hit, num_external_tokens, ids)
+        )
+        tracked.answer = None
+
+    def step(
+        self, num_scheduled_tokens: Mapping[str, int], block_ids_of: Callable[[str], list[int]]
+    ) -> StepMessages:
+        """This step's messages: what was queued, and the chunks this step's forward fills."""
+        for request_id, scheduled in num_scheduled_tokens.items():
+            tracked = self._requests.get(request_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            done = (request.num_computed_tokens + scheduled) // self.chunk_tokens
+            if done <= tracked.chunks_saved:
+                continue
+            tokens = list(request.all_token_ids[tracked.tokens_sent : done * self.chunk_tokens])
+            self._messages.saves.append(
+                Save(
+                    request_id,
+                    tracked.chunks_saved,
+                    done,
+                    block_ids_of(request_id)[: done * self.blocks_per_chunk],
+                    tracked.tokens_sent,
+                    tokens,
+                )
+            )
+            tracked.tokens_sent += len(tokens)
+            tracked.chunks_saved = done
+        messages, self._messages = self._messages, StepMessages()
+        return messages
+
+    def finished(self, request: VllmRequest) -> None:
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is None:
+            return
+        computed = request.num_computed_tokens
+        tokens = list(request.all_token_ids[tracked.tokens_sent : computed])
+        self._messages.finishes.append(
+            Finish(request.request_id, computed, tracked.tokens_sent, tokens)
+        )
+
+    def on_reply(self, reply: WorkerReply) -> None:
+        self.may_hit = reply.may_hit
+        for request_id, answer in reply.answers.items():
+            tracked = self._requests.get(request_id)
+            if tracked is not None and tracked.asked_at == answer[0]:
+                tracked.answer = answer
