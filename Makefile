@@ -53,11 +53,15 @@ demo: model
 	$(BIN)/kvtier model generate --prompt "The capital of France is" --max-tokens 16
 	$(BIN)/kvtier bench --quick --out out/bench
 
-# Debian packages the tests use (the tests start their own servers on loopback ports).
+# Debian packages the tests use (the tests start their own servers on loopback ports):
+# redis-server for the remote tier, nginx for the replica routing test.
 system:
-	@command -v redis-server >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q redis-server; \
-	  else echo "note: redis-server missing; Redis tier tests will be skipped (apt-get install redis-server)"; fi; }
+	@missing=""; \
+	for tool in redis-server nginx; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q $$missing; \
+	  else echo "note:$$missing missing; their tests will be skipped (apt-get install$$missing)"; fi; \
+	fi
 
 test: model system
 	$(BIN)/pytest -q
