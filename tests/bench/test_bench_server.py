@@ -122,3 +122,21 @@ def test_policies_are_the_servers_own(tmp_path: Path):
     done = bench("--server", "http://127.0.0.1:8000", "--policies", "retain,cost")
     assert done.returncode == 2
     assert done.stderr.startswith("kvtier: error: --policies does not apply with --server")
+
+
+def test_a_request_the_server_refuses_is_a_failed_record_and_the_rest_go_on(tmp_path: Path):
+    # first turns have at most 120 prompt tokens, second turns (history resent) 170 or more
+    flags = ["--host-bytes", "0", "--max-prompt-tokens", "150"]
+    server = ServeProcess(tmp_path / "serve.log", *SMALL_POOL, *flags).start()
+    try:
+        document, records = run_against(server, tmp_path / "out", "limited")
+    finally:
+        server.stop()
+    assert len(records) == workload_requests()
+    failed = [r for r in records if r["failed"]]
+    assert failed and all(r["turn_index"] == 1 for r in failed)
+    assert all("HTTP 400: prompt has" in r["error"] for r in failed)
+    assert all(r["output_tokens"] == 8 for r in records if r["turn_index"] == 0)
+    summary = document["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"]) == (len(records) - len(failed), len(failed))
+    assert "Failed requests by reason" in (tmp_path / "out/report.md").read_text()
