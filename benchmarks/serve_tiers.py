@@ -99,6 +99,7 @@ def main() -> None:
 
 def bench_one(label: str, serve_flags: list[str], args: argparse.Namespace, out: Path) -> dict:
     """Start `kvtier serve`, run `kvtier bench --server` against it, stop it."""
+    out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"serve-{label}.log"
     url, server = start_server(serve_flags, log)
     try:
