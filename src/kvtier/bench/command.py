@@ -9,6 +9,7 @@ Examples:
   kvtier bench --quick                                  # a few minutes on 2 CPU cores
   kvtier bench --workload quick --policies retain,cost --kv-cache-bytes 64MiB
   kvtier bench --workload sample --scale-to-context 2048 --sessions 20
+  kvtier bench --server http://127.0.0.1:8000 --workload quick   # a running kvtier serve
 """
 
 from __future__ import annotations
@@ -57,9 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay N sessions, those with resumed turns first (docs/bench.md)",
     )
     pol = parser.add_argument_group("policies")
-    pol.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated ({DEFAULT_POLICIES})"
-    )
+    pol.add_argument("--policies", default=None, help=f"comma-separated ({DEFAULT_POLICIES})")
     pol.add_argument(
         "--policy-set",
         metavar="KEY=VALUE",
@@ -104,6 +103,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument(
         "--max-output-tokens", type=int, metavar="N", help="cap every answer at N tokens"
     )
+    srv = parser.add_argument_group(
+        "a running server instead of the engine (its model, pool, tiers and policy are measured)"
+    )
+    srv.add_argument(
+        "--server",
+        metavar="URL",
+        help="replay over HTTP against this OpenAI-compatible server, e.g. http://127.0.0.1:8000",
+    )
+    srv.add_argument(
+        "--server-label", metavar="NAME", help="the run's name in the report (default: the URL)"
+    )
+    srv.add_argument(
+        "--api-key", metavar="KEY", help="bearer key sent with every request (the tenant's)"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=DEFAULT_OUT, help=f"result folder ({DEFAULT_OUT})")
     out.add_argument("--no-plots", action="store_true", help="skip the HTML report and PNGs")
@@ -114,8 +127,12 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.bench import engines
     from kvtier.plan.units import parse_size
 
+    if args.server:
+        from kvtier.bench.server_run import run_server
+
+        return run_server(args)
     started = time.perf_counter()
-    names = _names(args.policies)
+    names = _names(args.policies or DEFAULT_POLICIES)
     engines.validate_policies(names)
     policy_config = _policy_config(args) if (args.policy_set or args.config) else None
     kv_bytes = parse_size(args.kv_cache_bytes)

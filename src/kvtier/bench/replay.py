@@ -99,32 +99,44 @@ def next_arrivals(requests: Sequence[Request]) -> dict[str, list[float]]:
 def prompt_token_ids(
     engine: Engine, request: Request, answers: Mapping[int, str] | None = None
 ) -> list[int]:
-    """The prompt's token ids: the chat template over the messages, or synthetic ids built
-    block by block from the trace's prefix block ids (deterministic per block id).
-
-    `answers` (turn index -> text the engine generated) replaces the workload's expected
-    answers in the resent history, as a chat client resends the answers it got."""
+    """The prompt's token ids: the chat template over `chat_messages`, or `synthetic_token_ids`
+    for length-only traces."""
     if request.messages:
         from kvtier.models.tokenizer import chat_token_ids
 
-        messages = [dict(m) for m in request.messages]
-        if answers:
-            positions = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-            first_turn = request.turn_index - len(positions)
-            for offset, i in enumerate(positions):
-                text = answers.get(first_turn + offset)
-                if text:
-                    messages[i]["content"] = text
-        return chat_token_ids(engine.tokenizer, messages)
-    vocab = engine.model_config.vocab_size
+        return chat_token_ids(engine.tokenizer, chat_messages(request, answers))
+    return synthetic_token_ids(request, engine.model_config.vocab_size)
+
+
+def chat_messages(
+    request: Request, answers: Mapping[int, str] | None = None
+) -> list[dict[str, str]]:
+    """The request's chat messages, with `answers` (turn index -> text the model generated)
+    replacing the workload's expected answers in the resent history, as a chat client resends
+    the answers it got."""
+    messages = [dict(m) for m in request.messages]
+    if answers:
+        positions = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        first_turn = request.turn_index - len(positions)
+        for offset, i in enumerate(positions):
+            text = answers.get(first_turn + offset)
+            if text:
+                messages[i]["content"] = text
+    return messages
+
+
+def synthetic_token_ids(request: Request, vocab_size: int) -> list[int]:
+    """Token ids of a length-only trace's prompt, built block by block from its prefix block
+    ids (deterministic per block id: equal ids, equal tokens, so the trace's prefix sharing is
+    the engine's)."""
     per_block = max(1, round(request.block_tokens))
     ids: list[int] = []
     for block_id in request.hash_ids:
         rng = random.Random(f"kvtier-block-{block_id}")
-        ids.extend(rng.randrange(_SYNTHETIC_LOW_ID, vocab) for _ in range(per_block))
+        ids.extend(rng.randrange(_SYNTHETIC_LOW_ID, vocab_size) for _ in range(per_block))
     rng = random.Random(f"kvtier-tail-{request.request_id}")
     while len(ids) < request.prompt_tokens:
-        ids.append(rng.randrange(_SYNTHETIC_LOW_ID, vocab))
+        ids.append(rng.randrange(_SYNTHETIC_LOW_ID, vocab_size))
     return ids[: max(1, request.prompt_tokens)]
 
 
@@ -313,15 +325,19 @@ def _finish(flight: _InFlight, out: RequestOutput, t: float) -> None:
 
 
 def restored_tokens(out: RequestOutput, history_tokens: int) -> dict[str, int]:
-    """Where the prompt's history came from: tokens found on the device or loaded from a tier
-    as the engine reports them (`metrics.prompt_token_sources`; without it, the prefix-cache
-    hit), and `recomputed` = what this session had computed before (its history, in full
-    blocks) but no tier supplied. The new message is plain prefill, in neither."""
+    """Where the prompt's history came from, as the engine reports it for `out`
+    (`metrics.prompt_token_sources`; without it, the prefix-cache hit): see `history_sources`."""
     sources = getattr(out.metrics, "prompt_token_sources", None) or {}
-    result = {s: int(sources[s]) for s in STORED_SOURCES if sources.get(s)}
     if not sources:
-        cached = out.num_cached_tokens or 0
-        result = {"device": cached} if cached else {}
+        sources = {"device": out.num_cached_tokens or 0}
+    return history_sources(sources, history_tokens)
+
+
+def history_sources(sources: Mapping[str, int], history_tokens: int) -> dict[str, int]:
+    """Tokens found on the device or loaded from a tier (the stored sources of `sources`), and
+    `recomputed` = what this session had computed before (its history, in full blocks) but no
+    tier supplied. The new message is plain prefill, in neither."""
+    result = {s: int(sources[s]) for s in STORED_SOURCES if sources.get(s)}
     missed = max(0, history_tokens - sum(result.values()))
     if missed:
         result["recomputed"] = missed
