@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-PRESET_NAMES = ("quick", "demo", "default")  # = tuple(workload.presets.PRESETS)
+PRESET_NAMES = ("quick", "demo", "default", "multiclass")  # = tuple(workload.presets.PRESETS)
 TRACE_FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # auto + workload.traces.FORMATS
 
 
