@@ -126,10 +126,6 @@ class TieredConnector:
     # ----- what the policy runner and tools use ------------------------------------------
 
     @property
-    def spill_on_evict(self) -> bool:
-        return self.spiller.spill_on_evict
-
-    @property
     def write_through(self) -> bool:
         return self.spiller.write_through
 

@@ -74,11 +74,26 @@ class KVBlockPort(Protocol):
 
 @dataclass(frozen=True)
 class QueueDemand:
-    """Requests waiting for admission and what the first of them needs."""
+    """Requests waiting for admission, head first (the scheduler's queue, read-only).
 
-    num_waiting: int
-    num_tokens: int  # all waiting requests' tokens
-    head_tokens: int  # the first waiting request's tokens (0: none waits)
+    Read where asked: a check after every step needs the head alone, and only a policy view
+    sums the whole queue."""
+
+    waiting: Sequence[Request] = ()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def head_tokens(self) -> int:
+        """The first waiting request's tokens (0: none waits)."""
+        return self.waiting[0].num_tokens if self.waiting else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """All waiting requests' tokens."""
+        return sum(r.num_tokens for r in self.waiting)
 
 
 @dataclass(frozen=True)

@@ -142,21 +142,13 @@ class Engine:
             self.add_block_listener(connector)
 
     def _connector_context(self) -> EngineContext:
-        def queue() -> QueueDemand:
-            waiting = self.scheduler.waiting
-            return QueueDemand(
-                len(waiting),
-                sum(r.num_tokens for r in waiting),
-                waiting[0].num_tokens if waiting else 0,
-            )
-
         return EngineContext(
             block_pool=self.block_pool,
             kv_port=self.kv_pool,
             block_size=self.config.block_size,
             kv_quant=self.config.kv_quant,
             sessions=self.sessions,
-            queue=queue,
+            queue=lambda: QueueDemand(self.scheduler.waiting),
         )
 
     # ----- hooks -------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from kvtier.integrations.vllm.messages import (
 from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
-_NO_QUEUE = QueueDemand(0, 0, 0)  # vLLM does not show a connector its waiting queue
+_NO_QUEUE = QueueDemand()  # vLLM does not show a connector its waiting queue
 
 
 class EngineTiers:
@@ -203,7 +203,7 @@ class EngineTiers:
             c = self.connector
             # a shared tier (Redis) may hold what another replica wrote: always worth asking
             shared = any(tier.shared for tier in c.store.tiers.values())
-            may_hit = bool(len(c.store)) or c.writes.staging or shared
+            may_hit = c.chunks.any_stored() or shared
             return WorkerReply(answers, may_hit)
 
     # ----- reporting and lifecycle -------------------------------------------------------
