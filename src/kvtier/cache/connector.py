@@ -167,8 +167,7 @@ class TieredConnector:
     # ----- scheduler side ----------------------------------------------------------------
 
     def on_request_added(self, request: Request) -> None:
-        self.restorer.discover(request)  # chunks another replica or an earlier run stored
-        self.restorer.prefetch(request)
+        self.restorer.on_request_added(request)
 
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
         return self.restorer.loadable(request, num_computed_tokens)

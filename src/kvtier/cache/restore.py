@@ -2,7 +2,8 @@
 
 The scheduler side of the connector contract (`kvtier.engine.connector`), for loads:
 
-- `prefetch` (request queued): the loads the restore will do start in the background.
+- `on_request_added` (request queued): what shared tiers hold is indexed, and the loads the
+  restore will do start in the background (prefetch).
 - `loadable` (admission, or the prefill reaching a boundary): the request's plan, made once
   from where its device hits end: the stored chunks after them (`restore="load"`: every one;
   `"plan"`: the restore planner's choice, `kvtier.policy.restore`), runs of blocks stored
@@ -79,23 +80,25 @@ class Restorer:
         self._prefetches: dict[str, tuple[Prefetch, dict[bytes, int]]] = {}
         self._loaded: dict[str, Counter[str]] = {}  # request id -> blocks loaded per tier
         self._accounted: set[str] = set()  # requests whose sources are on their metrics
+        self._shared = bool(store.shared_tiers)  # e.g. Redis under several replicas
 
     # ----- scheduler side --------------------------------------------------------------
 
-    def discover(self, request: Request) -> None:
-        """Index the chunks of this prompt a shared tier holds that this process has not seen
-        (another replica wrote them, or an earlier run), from its device hits on."""
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = request.keys_of_full_blocks(self.block_size)[:max_blocks]
-        self.store.discover(keys, self.chunks.namespace_of(request), self.chunks.cached_run(keys))
-
-    def prefetch(self, request: Request) -> None:
+    def on_request_added(self, request: Request) -> None:
+        """The request is queued. From its device hits on: the chunks of its prompt a shared
+        tier holds that this process has not seen are indexed (another replica wrote them, or
+        an earlier run), then the loads the restore will do start in the background."""
         c = self.config
-        if not c.prefetch or c.restore == "recompute" or not len(self.store):
-            return  # (chunks only staged are read from their bytes at admission)
+        prefetching = c.prefetch and c.restore != "recompute"
+        if not (self._shared or (prefetching and len(self.store))):
+            return  # nothing to discover or prefetch: no lookups on the add path
         max_blocks = (request.num_tokens - 1) // self.block_size
         keys = request.keys_of_full_blocks(self.block_size)[:max_blocks]
         start = self.chunks.cached_run(keys)
+        if self._shared:
+            self.store.discover(keys, self.chunks.namespace_of(request), start)
+        if not prefetching or not len(self.store):
+            return  # (chunks only staged are read from their bytes at admission)
         # chunks still being written are read from their staged bytes, not prefetched
         ids = [
             load.chunk.id

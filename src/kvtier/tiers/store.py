@@ -174,6 +174,11 @@ class TieredStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def shared_tiers(self) -> list[TierBackend]:
+        """The tiers other processes write too (Redis under several replicas), top first."""
+        return [self.tiers[name] for name in self.order if self.tiers[name].shared]
+
     def discover(
         self,
         block_keys: Sequence[bytes],
@@ -191,7 +196,7 @@ class TieredStore:
         the look-up runs on its own thread, and one that comes back later still indexes what
         it found (for the next turn, or a prefetch). One look-up runs at a time, so a frozen
         tier holds one thread, not one per request. Returns how many were indexed in time."""
-        shared = [self.tiers[name] for name in self.order if self.tiers[name].shared]
+        shared = self.shared_tiers
         if not shared:
             return 0
         per_chunk = self.chunk_tokens // self.block_tokens

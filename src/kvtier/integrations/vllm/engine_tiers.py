@@ -202,7 +202,7 @@ class EngineTiers:
             answers, self._replies = self._replies, {}
             c = self.connector
             # a shared tier (Redis) may hold what another replica wrote: always worth asking
-            shared = any(tier.shared for tier in c.store.tiers.values())
+            shared = bool(c.store.shared_tiers)
             may_hit = c.chunks.any_stored() or shared
             return WorkerReply(answers, may_hit)
 
