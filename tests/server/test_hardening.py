@@ -68,7 +68,9 @@ def chat(content: str, max_tokens: int, **fields) -> dict:
     }
 
 
-GOOD = chat("Count slowly from one to forty.", 32, temperature=0, ignore_eos=True, stream=True)
+# Long enough that a second request sent after its first token is admitted and sampled
+# while it still runs (with 32 tokens a busy machine once let it finish first).
+GOOD = chat("Count slowly from one to forty.", 96, temperature=0, ignore_eos=True, stream=True)
 
 
 def stream_text(lines: Iterator[str]) -> tuple[str, str | None, list[dict]]:
