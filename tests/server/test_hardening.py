@@ -150,13 +150,20 @@ class FailingSampler:
 
 def test_a_request_that_fails_while_sampling_fails_alone(hardened, engine, caplog):
     expected = alone(hardened)
-    sampler = FailingSampler(engine, seed=4711)
-    engine.sampler = sampler
-    try:
-        poisoned = chat("Name a colour.", 6, temperature=0.7, seed=4711)
-        text, failed = alongside(hardened, poisoned, BOB)
-    finally:
-        engine.sampler = sampler.inner
+    poisoned = chat("Name a colour.", 6, temperature=0.7, seed=4711)
+    # The setup needs the two requests in one batch; on a busy machine the companion stream
+    # has (rarely) ended first, so the scenario is run again until they shared one.
+    for _attempt in range(3):
+        caplog.clear()
+        sampler = FailingSampler(engine, seed=4711)
+        engine.sampler = sampler
+        try:
+            text, failed = alongside(hardened, poisoned, BOB)
+        finally:
+            engine.sampler = sampler.inner
+        wait_idle(engine)
+        if max(sampler.running_at_failure) >= 2:
+            break
     assert max(sampler.running_at_failure) >= 2  # it failed in a batch it shared
     assert failed.status_code == 500
     error = failed.json()["error"]
