@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvtier.errors import KvtierError
 from kvtier.plan.geometry import load_geometry
 from kvtier.plan.hardware import DEFAULT_EFFICIENCY, get_accelerator
+from kvtier.policy.accuracy import FormBudget, form_budget, load_figures
 from kvtier.policy.cost_model import (
     DEFAULT_BASE_SHARE,
     DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
@@ -156,6 +157,30 @@ class PolicyConfig(_Section):
     ttl: TtlSection = Field(default_factory=TtlSection)
     offload: OffloadSection = Field(default_factory=OffloadSection)
     profile: ProfileSection = Field(default_factory=ProfileSection)
+    # points of `kvtier eval` score a stored form may lose (policy.accuracy); 0: full only
+    max_accuracy_loss: NonNegativeFloat = 0.0
+    accuracy_file: str | None = None  # figures from kvtier eval --kv-forms (DIR/forms.json)
+    # the model the bundled figures are looked up for; commands set it to the model they run
+    accuracy_model: str | None = None
+
+    @model_validator(mode="after")
+    def _readable_figures(self) -> PolicyConfig:
+        if self.accuracy_file is not None:
+            try:
+                load_figures(self.accuracy_file)
+            except KvtierError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def form_budget(self) -> FormBudget:
+        """The forms `max_accuracy_loss` allows for `accuracy_model`."""
+        return form_budget(self.max_accuracy_loss, self.accuracy_model, self.accuracy_file)
+
+    def for_model(self, model: str | None) -> PolicyConfig:
+        """This configuration, looking accuracy figures up for `model` unless it names one."""
+        if self.accuracy_model is not None or model is None:
+            return self
+        return self.model_copy(update={"accuracy_model": model})
 
     @property
     def horizon_s(self) -> float:
