@@ -59,6 +59,9 @@ class PolicyRunner:
             else policy
         )
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
+        if self.config.max_accuracy_loss > 0:
+            budget = self.config.form_budget()
+            log.warning("stored forms allowed on disk/remote: %s; %s", budget.allowed, budget.note)
         self.interval_s = self.config.interval_s
         self.sessions: dict[str, SessionKeys] = {}
         # block key -> how many remembered sessions hold it: blocks shared through the prefix

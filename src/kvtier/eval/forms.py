@@ -53,9 +53,7 @@ def run_forms(
     """One summary row per form (spec "kv:int8", ...), each on its own packed-pool engine."""
     rows = []
     for form in forms:
-        engine = make_engine(
-            replace(config, kv_quant=form, kv_quant_group=Int8Codec().value_group)
-        )
+        engine = make_engine(replace(config, kv_quant=form, kv_quant_group=Int8Codec().value_group))
         (row,) = summarize(run_eval(samples, [MethodRun(FULL, None, FULL)], config, engine))
         row["spec"] = row["method"] = f"kv:{form}"
         rows.append(row)
@@ -94,4 +92,3 @@ def write_figures(path: Path, document: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     return path
-

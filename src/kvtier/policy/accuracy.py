@@ -46,7 +46,11 @@ def parse_figures(data: Any, source: str) -> AccuracyFigures:
         raise KvtierError(f"accuracy figures {source}: expected a JSON object")
     models = data.get("models")
     forms = data.get("forms")
-    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+    if (
+        not isinstance(models, list)
+        or not models
+        or not all(isinstance(m, str) and m for m in models)
+    ):
         raise KvtierError(f"accuracy figures {source}: 'models' must be a list of model names")
     if not isinstance(forms, dict) or not forms:
         raise KvtierError(f"accuracy figures {source}: 'forms' must map int8/int4 to figures")
@@ -106,7 +110,7 @@ def form_budget(
     bundled figures for the model, if any."""
     if not (math.isfinite(max_loss) and max_loss >= 0):
         raise KvtierError(f"max_accuracy_loss must be a number >= 0, got {max_loss}")
-    if max_loss == 0 and figures_path is None:
+    if max_loss == 0:  # the default: full precision only, whatever the figures say
         return FormBudget()
     figures = load_figures(figures_path) if figures_path is not None else None
     if figures is None and model is not None:

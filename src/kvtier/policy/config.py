@@ -158,7 +158,7 @@ class PolicyConfig(_Section):
     offload: OffloadSection = Field(default_factory=OffloadSection)
     profile: ProfileSection = Field(default_factory=ProfileSection)
     # points of `kvtier eval` score a stored form may lose (policy.accuracy); 0: full only
-    max_accuracy_loss: NonNegativeFloat = 0.0
+    max_accuracy_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     accuracy_file: str | None = None  # figures from kvtier eval --kv-forms (DIR/forms.json)
     # the model the bundled figures are looked up for; commands set it to the model they run
     accuracy_model: str | None = None
@@ -176,11 +176,11 @@ class PolicyConfig(_Section):
         """The forms `max_accuracy_loss` allows for `accuracy_model`."""
         return form_budget(self.max_accuracy_loss, self.accuracy_model, self.accuracy_file)
 
-    def for_model(self, model: str | None) -> PolicyConfig:
+    def for_model(self, model: str | Path | None) -> PolicyConfig:
         """This configuration, looking accuracy figures up for `model` unless it names one."""
         if self.accuracy_model is not None or model is None:
             return self
-        return self.model_copy(update={"accuracy_model": model})
+        return self.model_copy(update={"accuracy_model": str(model)})
 
     @property
     def horizon_s(self) -> float:

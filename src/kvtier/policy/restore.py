@@ -63,9 +63,7 @@ class _Costs:
             0.0 if c.tier == DEVICE else model.chunk_recompute_s(c.tokens, c.token_start)
             for c in ordered
         )
-        load = tuple(
-            math.inf if c.tier is None else chunk_restore_s(model, c) for c in ordered
-        )
+        load = tuple(math.inf if c.tier is None else chunk_restore_s(model, c) for c in ordered)
         return cls(ordered, compute, load)
 
     @property

@@ -36,6 +36,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -219,7 +220,7 @@ class ReplicaChunks:
         for tier, spills in self.spills.items():
             written, freed = (list(column) for column in zip(*spills, strict=True))
             # the device frees the chunks' own bytes once their (maybe smaller) copies land
-            replica._write(tier, written, lambda _, freed=sum(freed): replica._spilled(freed))
+            replica._write(tier, written, partial(replica._spilled, sum(freed)))
         self.spills = {}
 
 
@@ -525,8 +526,7 @@ class Replica:
             # a quantized chunk is decoded as it arrives, on the restore's path: counted as
             # link time, the one pipeline a chunk's load and decode run through here
             decode = sum(
-                self.cost_model.decode_s(session.device_bytes(i), session.forms[i])
-                for i in indices
+                self.cost_model.decode_s(session.device_bytes(i), session.forms[i]) for i in indices
             )
             if decode:
                 self.codec_s["decode"] += decode
@@ -564,9 +564,11 @@ class Replica:
         if then is not None:
             then(nbytes)
 
-    def _spilled(self, nbytes: int) -> None:
-        self.pending_free -= nbytes
-        self.used -= nbytes
+    def _spilled(self, freed: int, _written: int) -> None:
+        """A batch of spills landed: the device frees what the chunks took there (`freed`),
+        which is more than was written for chunks stored in a smaller form."""
+        self.pending_free -= freed
+        self.used -= freed
         self.epoch += 1
         self._kick()
 
