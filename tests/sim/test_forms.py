@@ -81,6 +81,4 @@ def test_hardware_profiles_give_codec_speeds_measured_or_derived():
     h100_tp8 = load_profile("h100-sxm").codec_speeds(8)
     # derived from HBM bandwidth: far faster than NVMe, and each GPU decodes its share
     assert h100["int4"].decode_bytes_per_s > 100e9
-    assert h100_tp8["int4"].decode_bytes_per_s == pytest.approx(
-        8 * h100["int4"].decode_bytes_per_s
-    )
+    assert h100_tp8["int4"].decode_bytes_per_s == pytest.approx(8 * h100["int4"].decode_bytes_per_s)

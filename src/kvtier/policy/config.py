@@ -12,6 +12,7 @@ docs/policy.md has a sample file and every key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ from kvtier.policy.cost_model import (
     DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
     DEFAULT_GPU_DOLLARS_PER_HOUR,
     DEFAULT_LINKS,
+    CodecSpeed,
     CostModel,
     CostProfile,
     Prices,
@@ -108,6 +110,11 @@ class LinkSection(_Section):
     latency_s: NonNegativeFloat = 0.0
 
 
+class CodecSection(_Section):
+    encode_bytes_per_s: PositiveFloat  # bytes of full-precision KV encoded per second
+    decode_bytes_per_s: PositiveFloat
+
+
 class ProfileSection(_Section):
     """Prefill coefficients given outright, or derived from a model and an accelerator."""
 
@@ -119,6 +126,9 @@ class ProfileSection(_Section):
     prefill_token_s: NonNegativeFloat | None = None
     prefill_pair_s: NonNegativeFloat | None = None
     links: dict[LowerTier, LinkSection] = Field(default_factory=dict)
+    # stored form -> codec speed (default: this machine's CPU, measured, with coefficients
+    # given; derived from the accelerator's memory bandwidth otherwise)
+    codecs: dict[Literal["int8", "int4"], CodecSection] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _all_or_no_coefficients(self) -> ProfileSection:
@@ -135,17 +145,23 @@ class ProfileSection(_Section):
         links.update(
             {tier: TierLink(link.bandwidth, link.latency_s) for tier, link in self.links.items()}
         )
+        codecs = {
+            form: CodecSpeed(codec.encode_bytes_per_s, codec.decode_bytes_per_s)
+            for form, codec in self.codecs.items()
+        }
         if self.prefill_fixed_s is not None:
-            return CostProfile(
+            profile = CostProfile(
                 self.prefill_fixed_s, self.prefill_token_s, self.prefill_pair_s, links
             )
-        return CostProfile.from_geometry(
-            load_geometry(self.model),
-            get_accelerator(self.hardware),
-            gpus=self.gpus,
-            efficiency=self.efficiency,
-            links=links,
-        )
+        else:
+            profile = CostProfile.from_geometry(
+                load_geometry(self.model),
+                get_accelerator(self.hardware),
+                gpus=self.gpus,
+                efficiency=self.efficiency,
+                links=links,
+            )
+        return dataclasses.replace(profile, codecs={**profile.codecs, **codecs})
 
 
 class PolicyConfig(_Section):
