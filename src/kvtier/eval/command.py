@@ -166,7 +166,12 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.policy.accuracy import FIGURES_FILE
 
         full = next(row for row in rows if row["spec"] == "full")
-        names = [args.model or "smollm2-135m", Path(model_dir).name]
+        from kvtier.models import EMBEDDED_MODEL_NAME
+
+        # the names commands look figures up by: the engine's model folder, and for the
+        # embedded model the names `serve` and `simulate --model` use for it
+        given = [args.model] if args.model else [EMBEDDED_MODEL_NAME, "smollm2-135m"]
+        names = [*given, Path(model_dir).name]
         document = figures(full, rows[-len(kv_forms) :], list(dict.fromkeys(names)), settings)
         print(f"wrote {write_figures(out / FIGURES_FILE, document)}")
     return 0
