@@ -141,7 +141,11 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.eval.forms import run_forms
 
         del engine  # one engine at a time: each form gets its own packed pool
-        rows += run_forms(samples, kv_forms, config, progress=print)
+        full_held = rows[0]["kv_bytes_held_mean"]  # the full-cache run comes first
+        for row in run_forms(samples, kv_forms, config, progress=print):
+            held = row["kv_bytes_held_mean"]
+            row["kv_vs_full"] = held / full_held if held is not None and full_held else None
+            rows.append(row)
     settings = {
         "tasks": tasks,
         "lengths": lengths,
