@@ -18,7 +18,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.errors import KvtierError
 from kvtier.plan.geometry import load_geometry
@@ -179,14 +186,15 @@ class PolicyConfig(_Section):
     # the model the bundled figures are looked up for; commands set it to the model they run
     accuracy_model: str | None = None
 
-    @model_validator(mode="after")
-    def _readable_figures(self) -> PolicyConfig:
-        if self.accuracy_file is not None:
+    @field_validator("accuracy_file")
+    @classmethod
+    def _readable_figures(cls, path: str | None) -> str | None:
+        if path is not None:
             try:
-                load_figures(self.accuracy_file)
+                load_figures(path)
             except KvtierError as exc:
                 raise ValueError(str(exc)) from None
-        return self
+        return path
 
     def form_budget(self) -> FormBudget:
         """The forms `max_accuracy_loss` allows for `accuracy_model`."""
@@ -343,7 +351,7 @@ def _describe(
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}"
-    message = error["msg"]
+    message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] not in ("missing", "value_error"):
         message += f", got {error['input']!r}"
     return f"{key}{where}: {message}"
