@@ -21,6 +21,8 @@ from kvtier.eval.sample import read_jsonl
         (["--lengths", "4x"], "--lengths takes token counts"),
         (["--lengths", "100"], "at least 256 tokens"),
         (["--samples", "0"], "--samples must be >= 1"),
+        (["--kv-forms", "int9"], "--kv-forms takes a comma list of int8, int4"),
+        (["--tasks", "perplexity", "--kv-forms", "int8"], "--kv-forms scores the RULER tasks"),
     ],
 )
 def test_bad_input_is_one_clear_error_line(argv, message, capsys, tmp_path):
@@ -79,3 +81,23 @@ def test_task_names_match_the_task_registry():
     from kvtier.eval.tasks import TASKS
 
     assert tuple(TASKS) == command.TASK_NAMES
+
+
+@pytest.mark.slow
+def test_kv_forms_write_figures_the_policy_reads(tmp_path):
+    from kvtier.policy.accuracy import load_figures
+
+    argv = ["eval", "--methods", "full", "--kv-forms", "int4", "--tasks", "passkey"]
+    argv += ["--lengths", "512", "--samples", "1", "--threads", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "forms.json").read_text())
+    by_spec = {
+        row["spec"]: row for row in json.loads((tmp_path / "results.json").read_text())["summary"]
+    }
+    assert set(by_spec) == {"full", "kv:int4"}
+    # the INT4 pool held its blocks packed: fewer bytes than the full cache
+    assert by_spec["kv:int4"]["kv_bytes_held_mean"] < by_spec["full"]["kv_bytes_held_mean"]
+    loss = by_spec["full"]["average"] - by_spec["kv:int4"]["average"]
+    assert doc["forms"]["int4"]["loss"] == pytest.approx(loss, abs=1e-3)
+    figures = load_figures(tmp_path / "forms.json")
+    assert figures.applies_to("smollm2-135m") and set(figures.loss) == {"int4"}

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtier.errors import KvtierError
 from kvtier.policy.actions import Action, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
+from kvtier.policy.cost_model import CostModel
+from kvtier.policy.ledger import form_bytes
 from kvtier.policy.view import PolicyView
 from kvtier.results.report import to_document
 from kvtier.sim.simulator import simulate
@@ -35,7 +36,7 @@ class ToHost(RetentionPolicy):
 
 @dataclass
 class ToHostInt8(RetentionPolicy):
-    """As ToHost, quantized on the way (a form the simulator does not model)."""
+    """As ToHost, quantized to INT8 on the way."""
 
     name = "to-host-int8"
 
@@ -89,11 +90,37 @@ def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(sm
     assert result.run.decisions["demote"]["device"] == 16 + 17
 
 
-def test_a_move_to_a_compressed_form_is_a_clear_error(small):
-    requests = [request("s", 0, 0.0, 4000, 96), request("s", 1, 600.0, 4200, 10)]
+def test_a_chunk_moved_as_int8_holds_fewer_bytes_and_pays_its_decode_on_restore(small):
+    model = StepModel(small.profile, small.geometry, small.tp)
+    cost = small_cost_model(small)
+    first = request("s", 0, 0.0, 4000, 96)  # 4,096 tokens of KV: 16 chunks of 256
+    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
     config = policy("tests.sim.test_simulator:ToHostInt8", interval_s=5.0)
-    with pytest.raises(KvtierError, match="asked for form 'int8'"):
-        simulate(requests, small, config)
+    result = simulate([first, second], small, config)
+    resumed = result.run.requests[1]
+    chunk_bytes = 256 * small.bytes_per_token
+    stored = form_bytes(chunk_bytes, "full", "int8")
+    recomputed = resumed.restored_tokens.get("recomputed", 0)
+    loaded = resumed.restored_tokens["host"]
+    assert recomputed + loaded == 4096 and recomputed % 256 == 0
+    per_chunk = model.transfer_s(stored, "host") + cost.decode_s(chunk_bytes, "int8")
+    restore = loaded // 256 * per_chunk
+    if recomputed:  # the planner's front chunks, recomputed while the rest loads
+        restore = max(model.prefill_s(recomputed, 0), restore)
+    assert resumed.ttft_s == pytest.approx(restore + model.prefill_s(104, 4096), rel=1e-9)
+    host = result.run.tiers["host"]
+    assert host.bytes_read == loaded // 256 * stored  # the smaller form moved, not the full one
+    leaves = host.bytes_read + host.bytes_dropped + host.resident_bytes
+    assert host.bytes_written == leaves
+    assert host.resident_bytes < small.kv_bytes(4210) * 0.6
+    assert result.forms["restored_tokens"] == {"int8": loaded}
+    decode = result.forms["codec_s"]["decode"]
+    assert decode == pytest.approx(loaded // 256 * cost.decode_s(chunk_bytes, "int8"))
+    assert result.forms["codec_s"]["encode"] > 0
+
+
+def small_cost_model(dep):
+    return CostModel(StepModel(dep.profile, dep.geometry, dep.tp).cost_profile())
 
 
 @pytest.mark.parametrize("write_through", [False, True])

@@ -199,9 +199,35 @@ def run(args: argparse.Namespace) -> int:
             f"{r.run.policy}: {r.wall_s:.1f} s wall for {r.trace_s:,.0f} s of trace "
             f"({r.skipped_s:,.0f} s idle skipped)"
         )
+        forms = _forms_line(r.engine_stats.get("tiers") or {})
+        if forms:
+            print(f"{r.run.policy}: stored forms: {forms}")
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
     _warn_without_resumed(runs, args.resume_after)
     return 0
+
+
+def _forms_line(tiers: dict[str, Any]) -> str | None:
+    """Blocks restored per quantized form and the encodes behind them (None: none), from the
+    connector's stats: what `[policy] max_accuracy_loss` let the policy choose."""
+    counters = tiers.get("counters", {})
+    restored = {
+        form: counters.get(f"restored_blocks_{form}", 0)
+        for form in ("full", "int8", "int4")
+        if form == "full" or counters.get(f"restored_blocks_{form}")
+    }
+    restored["full"] = counters.get("restored_blocks", 0) - sum(
+        n for form, n in restored.items() if form != "full"
+    )
+    recodes = tiers.get("recodes", {})
+    if len(restored) == 1 and not recodes:
+        return None
+    blocks = " / ".join(f"{form} {n:,}" for form, n in restored.items())
+    encoded = "; ".join(
+        f"{name} {r['ops']:,} chunks, {r['seconds']:.2f} s on the mover's worker"
+        for name, r in recodes.items()
+    )
+    return f"blocks restored from tiers: {blocks}; encoded: {encoded or 'none'}"
 
 
 def _warn_without_resumed(runs: Sequence[RunRecords], resume_after_s: float) -> None:

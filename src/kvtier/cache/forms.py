@@ -20,14 +20,11 @@ import torch
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
 from kvtier.tiers import Payload
 from kvtier.tiers.vocab import FORM_PRECISION as PRECISION
-from kvtier.tiers.vocab import FULL
+from kvtier.tiers.vocab import FULL, lossiest
+
+__all__ = ["CODECS", "ChunkForms", "Restored", "lossiest"]
 
 CODECS: dict[str, IntCodec] = {codec.form: codec for codec in (Int8Codec(), Int4Codec())}
-
-
-def lossiest(*forms: str) -> str:
-    """The least precise of `forms` (FULL when none are given)."""
-    return min(forms, key=PRECISION.__getitem__, default=FULL)
 
 
 class Restored(NamedTuple):

@@ -59,6 +59,13 @@ class PolicyRunner:
             else policy
         )
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
+        if self.config.max_accuracy_loss > 0:
+            budget = self.config.form_budget()
+            # a budget that allows nothing (no figures for the model) is worth a warning
+            level = logging.WARNING if len(budget.allowed) == 1 else logging.INFO
+            log.log(
+                level, "stored forms allowed on disk/remote: %s; %s", budget.allowed, budget.note
+            )
         self.interval_s = self.config.interval_s
         self.sessions: dict[str, SessionKeys] = {}
         # block key -> how many remembered sessions hold it: blocks shared through the prefix

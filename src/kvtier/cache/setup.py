@@ -21,6 +21,7 @@ from kvtier.cache.connector import TieredConnector
 from kvtier.calibration.lowrank import with_fitted_bases
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
+from kvtier.models import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:
     from kvtier.clock import Clock
@@ -55,6 +56,10 @@ def build_engine(
     config = config or EngineConfig()
     if config.compression is not None:
         config = dataclasses.replace(config, compression=with_fitted_bases(config.compression))
+    if cache is not None and cache.policy_config is not None:
+        # the accuracy figures that let the policy store lossy forms are the served model's
+        model = config.model_dir or EMBEDDED_MODEL_NAME
+        cache = dataclasses.replace(cache, policy_config=cache.policy_config.for_model(model))
     return Engine(config, clock=clock, connector=None if cache is None else cache.connector())
 
 

@@ -12,6 +12,7 @@ Examples:
   kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4096 --samples 4
   kvtier eval --methods full,kivi4,kivi8 --tasks niah_single,passkey --lengths 2k,4k
   kvtier eval --tasks perplexity --budgets 256,512,1024 --lengths 2048 --threads 1
+  kvtier eval --methods full --kv-forms int8,int4 --quick --out out/eval-forms
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--samples", type=int, help=f"samples per task and length (default {FULL['samples']})"
     )
+    parser.add_argument(
+        "--kv-forms",
+        metavar="FORMS",
+        help="also run the samples with the KV stored as each of these forms (int8,int4) and "
+        "write their accuracy loss against full precision to DIR/forms.json, the figures "
+        "[policy] accuracy_file reads",
+    )
     parser.add_argument("--seed", type=int, default=0, help="task generator seed (default 0)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"({DEFAULT_OUT})")
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
@@ -90,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
 
     preset = QUICK if args.quick else FULL
     tasks = check_tasks(_split(args.tasks))
-    runs = plan_runs(_split(args.methods), _floats(args.ratios or preset["ratios"], "--ratios"))
+    methods = _split(args.methods)
+    kv_forms = None
+    if args.kv_forms is not None:
+        from kvtier.eval.forms import check_forms
+
+        kv_forms = check_forms(_split(args.kv_forms))
+        methods = ["full", *methods]  # the figures are losses against the full cache
+    runs = plan_runs(methods, _floats(args.ratios or preset["ratios"], "--ratios"))
     lengths = [_length(v) for v in _split(args.lengths or preset["lengths"])]
     num_samples = args.samples if args.samples is not None else preset["samples"]
     if num_samples < 1:
@@ -115,20 +130,30 @@ def run(args: argparse.Namespace) -> int:
             f"--lengths {too_long} exceed the model context of {engine.max_model_len} tokens"
         )
     samples = generate_samples(engine.tokenizer, tasks, lengths, num_samples, args.seed)
+    model_dir, threads = str(engine.model_dir), engine.config.resolved_num_threads()
     out = Path(args.out)
     write_jsonl(samples, out / "samples.jsonl")
     print(f"{len(samples)} samples x {len(runs)} method runs: {', '.join(r.label for r in runs)}")
     started = time.perf_counter()
     result = run_eval(samples, runs, config, engine, progress=print)
     rows = summarize(result)
+    if kv_forms:
+        from kvtier.eval.forms import run_forms
+
+        del engine  # one engine at a time: each form gets its own packed pool
+        full_held = rows[0]["kv_bytes_held_mean"]  # the full-cache run comes first
+        for row in run_forms(samples, kv_forms, config, progress=print):
+            held = row["kv_bytes_held_mean"]
+            row["kv_vs_full"] = held / full_held if held is not None and full_held else None
+            rows.append(row)
     settings = {
         "tasks": tasks,
         "lengths": lengths,
         "samples_per_task": num_samples,
         "seed": args.seed,
         "runs": [r.spec for r in runs],
-        "model": str(engine.model_dir),
-        "threads": engine.config.resolved_num_threads(),
+        "model": model_dir,
+        "threads": threads,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     print_table(rows)
@@ -140,6 +165,19 @@ def run(args: argparse.Namespace) -> int:
         out / "samples.jsonl",
     ):
         print(f"wrote {path}")
+    if kv_forms:
+        from kvtier.eval.forms import figures, write_figures
+        from kvtier.policy.accuracy import FIGURES_FILE
+
+        full = next(row for row in rows if row["spec"] == "full")
+        from kvtier.models import EMBEDDED_MODEL_NAME
+
+        # the names commands look figures up by: the engine's model folder, and for the
+        # embedded model the names `serve` and `simulate --model` use for it
+        given = [args.model] if args.model else [EMBEDDED_MODEL_NAME, "smollm2-135m"]
+        names = [*given, Path(model_dir).name]
+        document = figures(full, rows[-len(kv_forms) :], list(dict.fromkeys(names)), settings)
+        print(f"wrote {write_figures(out / FIGURES_FILE, document)}")
     return 0
 
 
@@ -149,6 +187,8 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     from kvtier.models import resolve_model_dir
     from kvtier.models.tokenizer import load_tokenizer
 
+    if args.kv_forms is not None:
+        raise KvtierError(f"--kv-forms scores the RULER tasks, not --tasks {PERPLEXITY}")
     if _split(args.tasks) != [PERPLEXITY]:
         raise KvtierError(
             f"--tasks {PERPLEXITY} runs on its own (it scores a text, not answers); "

@@ -67,6 +67,8 @@ class RunnerConfig:
     kv_cache_bytes: int = _GIB
     max_batch_tokens: int = 16384  # prompt tokens in flight together
     max_num_batched_tokens: int = 1024  # the engine's per-step budget (chunked prefill)
+    kv_quant: str | None = None  # the pool's storage form (EngineConfig.kv_quant)
+    kv_quant_group: int = 32
 
 
 def make_engine(config: RunnerConfig) -> Any:
@@ -81,6 +83,8 @@ def make_engine(config: RunnerConfig) -> Any:
             kv_cache_bytes=config.kv_cache_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=False,
+            kv_quant=config.kv_quant,  # type: ignore[arg-type]
+            kv_quant_group=config.kv_quant_group,
         )
     )
 

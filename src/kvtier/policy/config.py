@@ -12,21 +12,31 @@ docs/policy.md has a sample file and every key.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.errors import KvtierError
 from kvtier.plan.geometry import load_geometry
 from kvtier.plan.hardware import DEFAULT_EFFICIENCY, get_accelerator
+from kvtier.policy.accuracy import FormBudget, form_budget, load_figures
 from kvtier.policy.cost_model import (
     DEFAULT_BASE_SHARE,
     DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
     DEFAULT_GPU_DOLLARS_PER_HOUR,
     DEFAULT_LINKS,
+    CodecSpeed,
     CostModel,
     CostProfile,
     Prices,
@@ -107,6 +117,11 @@ class LinkSection(_Section):
     latency_s: NonNegativeFloat = 0.0
 
 
+class CodecSection(_Section):
+    encode_bytes_per_s: PositiveFloat  # bytes of full-precision KV encoded per second
+    decode_bytes_per_s: PositiveFloat
+
+
 class ProfileSection(_Section):
     """Prefill coefficients given outright, or derived from a model and an accelerator."""
 
@@ -118,6 +133,9 @@ class ProfileSection(_Section):
     prefill_token_s: NonNegativeFloat | None = None
     prefill_pair_s: NonNegativeFloat | None = None
     links: dict[LowerTier, LinkSection] = Field(default_factory=dict)
+    # stored form -> codec speed (default: this machine's CPU, measured, with coefficients
+    # given; derived from the accelerator's memory bandwidth otherwise)
+    codecs: dict[Literal["int8", "int4"], CodecSection] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _all_or_no_coefficients(self) -> ProfileSection:
@@ -134,17 +152,23 @@ class ProfileSection(_Section):
         links.update(
             {tier: TierLink(link.bandwidth, link.latency_s) for tier, link in self.links.items()}
         )
+        codecs = {
+            form: CodecSpeed(codec.encode_bytes_per_s, codec.decode_bytes_per_s)
+            for form, codec in self.codecs.items()
+        }
         if self.prefill_fixed_s is not None:
-            return CostProfile(
+            profile = CostProfile(
                 self.prefill_fixed_s, self.prefill_token_s, self.prefill_pair_s, links
             )
-        return CostProfile.from_geometry(
-            load_geometry(self.model),
-            get_accelerator(self.hardware),
-            gpus=self.gpus,
-            efficiency=self.efficiency,
-            links=links,
-        )
+        else:
+            profile = CostProfile.from_geometry(
+                load_geometry(self.model),
+                get_accelerator(self.hardware),
+                gpus=self.gpus,
+                efficiency=self.efficiency,
+                links=links,
+            )
+        return dataclasses.replace(profile, codecs={**profile.codecs, **codecs})
 
 
 class PolicyConfig(_Section):
@@ -156,6 +180,31 @@ class PolicyConfig(_Section):
     ttl: TtlSection = Field(default_factory=TtlSection)
     offload: OffloadSection = Field(default_factory=OffloadSection)
     profile: ProfileSection = Field(default_factory=ProfileSection)
+    # points of `kvtier eval` score a stored form may lose (policy.accuracy); 0: full only
+    max_accuracy_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    accuracy_file: str | None = None  # figures from kvtier eval --kv-forms (DIR/forms.json)
+    # the model the bundled figures are looked up for; commands set it to the model they run
+    accuracy_model: str | None = None
+
+    @field_validator("accuracy_file")
+    @classmethod
+    def _readable_figures(cls, path: str | None) -> str | None:
+        if path is not None:
+            try:
+                load_figures(path)
+            except KvtierError as exc:
+                raise ValueError(str(exc)) from None
+        return path
+
+    def form_budget(self) -> FormBudget:
+        """The forms `max_accuracy_loss` allows for `accuracy_model`."""
+        return form_budget(self.max_accuracy_loss, self.accuracy_model, self.accuracy_file)
+
+    def for_model(self, model: str | Path | None) -> PolicyConfig:
+        """This configuration, looking accuracy figures up for `model` unless it names one."""
+        if self.accuracy_model is not None or model is None:
+            return self
+        return self.model_copy(update={"accuracy_model": str(model)})
 
     @property
     def horizon_s(self) -> float:
@@ -302,7 +351,7 @@ def _describe(
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}"
-    message = error["msg"]
+    message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] not in ("missing", "value_error"):
         message += f", got {error['input']!r}"
     return f"{key}{where}: {message}"

@@ -29,6 +29,14 @@ rents or any contention sent long-idle sessions to NVMe while DRAM sat free, whi
 and saved no money). `floor` is the least any byte costs anywhere, equal in
 every tier so it never picks between them: it is what frees KV nobody will use again from a
 tier with room (default: 0.1% of host DRAM's rent).
+A chunk stored in a quantized form (int8 / int4, docs/tiers.md "Forms") moves and holds fewer
+bytes, and pays its codec: `decode_s` when it is restored (on the restore's path, so TTFT) and
+`encode_s` when it is demoted (on the mover's worker, so worker time, not TTFT). Codec speeds
+are bytes of full-precision KV per second (`CodecSpeed`): measured on this machine's CPU
+(`MEASURED_CPU_CODECS`), or derived for an accelerator from its memory bandwidth
+(`CodecSpeed.memory_bound`: a codec kernel streams its input and output once; encoding reads its
+input twice, for the group ranges and for the codes).
+
 `rent_T` converts money to seconds at the exchange rate 1 s of latency = 1 s of GPU time:
 rent_T = 3600 * ($ per GB-hour of tier T) / ($ per GPU-hour). docs/policy.md has the numbers.
 """
@@ -45,6 +53,8 @@ import numpy as np
 
 from kvtier.errors import KvtierError
 from kvtier.plan.hardware import DEFAULT_EFFICIENCY, LINKS
+from kvtier.policy.ledger import form_bytes
+from kvtier.tiers.vocab import FULL
 
 if TYPE_CHECKING:
     from kvtier.plan.geometry import ModelGeometry
@@ -117,6 +127,46 @@ DEFAULT_LINKS = {
 
 
 @dataclass(frozen=True)
+class CodecSpeed:
+    """A stored form's codec speed, in bytes of full-precision KV per second."""
+
+    encode_bytes_per_s: float
+    decode_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.encode_bytes_per_s > 0 and self.decode_bytes_per_s > 0):
+            raise KvtierError(
+                f"codec speeds must be > 0 bytes/s, got encode {self.encode_bytes_per_s} and "
+                f"decode {self.decode_bytes_per_s}"
+            )
+
+    @classmethod
+    def memory_bound(cls, bandwidth: float, form: str) -> CodecSpeed:
+        """A codec kernel limited by memory traffic: per full byte, decoding reads the form's
+        bytes and writes the full ones; encoding reads the full bytes twice (group ranges,
+        then codes) and writes the form's."""
+        ratio = form_bytes(1 << 20, FULL, form) / (1 << 20)
+        return cls(bandwidth / (2 + ratio), bandwidth / (1 + ratio))
+
+
+# benchmarks/resume.py's codec timing (docs/cache.md "Forms"): one 256-token chunk of SmolLM2
+# KV (5,898,240 bytes of bf16) on this project's 2-vCPU VM, one torch thread, medians of 7:
+# encode 12.5 ms (int8) / 10.1 ms (int4), decode 8.9 / 5.6 ms.
+_CHUNK = 5_898_240
+MEASURED_CPU_CODECS = {
+    "int8": CodecSpeed(_CHUNK / 12.5e-3, _CHUNK / 8.9e-3),
+    "int4": CodecSpeed(_CHUNK / 10.1e-3, _CHUNK / 5.6e-3),
+}
+# a fused codec kernel reaches about half of peak memory bandwidth (an assumption; no GPU here)
+CODEC_MEMORY_EFFICIENCY = 0.5
+
+
+def memory_bound_codecs(bandwidth: float) -> dict[str, CodecSpeed]:
+    """Every stored form's codec at `bandwidth` bytes/s of effective memory traffic."""
+    return {form: CodecSpeed.memory_bound(bandwidth, form) for form in MEASURED_CPU_CODECS}
+
+
+@dataclass(frozen=True)
 class CostProfile:
     """Measured (or derived) speeds: prefill coefficients and each tier's link to the device."""
 
@@ -124,6 +174,8 @@ class CostProfile:
     prefill_token_s: float  # b
     prefill_pair_s: float  # c, per causal query-key pair, all layers
     links: Mapping[str, TierLink] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    # stored form -> codec speed; the default is this machine's CPU, measured
+    codecs: Mapping[str, CodecSpeed] = field(default_factory=lambda: dict(MEASURED_CPU_CODECS))
 
     def __post_init__(self) -> None:
         coefficients = (self.prefill_fixed_s, self.prefill_token_s, self.prefill_pair_s)
@@ -176,6 +228,9 @@ class CostProfile:
             prefill_token_s=per_token / rate,
             prefill_pair_s=per_pair * global_layers / rate,
             links=dict(DEFAULT_LINKS if links is None else links),
+            codecs=memory_bound_codecs(
+                gpus * accelerator.memory_bandwidth * CODEC_MEMORY_EFFICIENCY
+            ),
         )
 
 
@@ -243,6 +298,20 @@ class CostModel:
             return self.profile.links[tier].seconds(nbytes)
         except KeyError:
             raise KvtierError(f"the cost profile has no link for tier {tier!r}") from None
+
+    def decode_s(self, full_bytes: float, form: str) -> float:
+        """Decoding a chunk of `full_bytes` (full-precision size) stored in `form`."""
+        return 0.0 if form == FULL else full_bytes / self._codec(form).decode_bytes_per_s
+
+    def encode_s(self, full_bytes: float, form: str) -> float:
+        """Encoding a chunk of `full_bytes` into `form` (the mover's worker time)."""
+        return 0.0 if form == FULL else full_bytes / self._codec(form).encode_bytes_per_s
+
+    def _codec(self, form: str) -> CodecSpeed:
+        try:
+            return self.profile.codecs[form]
+        except KeyError:
+            raise KvtierError(f"the cost profile has no codec speed for form {form!r}") from None
 
     def hold_cost(self, nbytes: int, tier: str, seconds: float, occupancy: float) -> float:
         """Seconds-equivalent cost of keeping `nbytes` in `tier` for `seconds`."""

@@ -59,6 +59,7 @@ from kvtier.policy.actions import Action, Drop, Keep, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.demand import DemandForecast
+from kvtier.policy.forms import FormChooser
 from kvtier.policy.ledger import ChunkKey
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
@@ -109,6 +110,7 @@ class CostPolicy(RetentionPolicy):
     horizon_s: float = 5.0
     calibration: Calibration | None = None
     demand: DemandForecast = field(default_factory=DemandForecast)
+    forms: FormChooser | None = None  # None: a moved chunk keeps its form
     name = "cost"
 
     def __post_init__(self) -> None:
@@ -124,6 +126,7 @@ class CostPolicy(RetentionPolicy):
             predictor=config.predictor.build(),
             horizon_s=config.horizon_s,
             demand=DemandForecast(window_s=config.cost.forecast_window_s),
+            forms=FormChooser(model, config.form_budget().allowed),
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
@@ -137,7 +140,7 @@ class CostPolicy(RetentionPolicy):
         chunks = self._chunks(sessions, remember=True)
         movable = self._movable(view, chunks)
         table = self._table(view, chunks, now, self._fixed_occupancy(view, movable))
-        return _actions(table, self._allocate(view, table, movable, now))
+        return _actions(table, self._allocate(view, table, movable, now), self.forms)
 
     def _movable(self, view: PolicyView, chunks: _Table) -> dict[str, int]:
         """Bytes per tier the candidates' chunks may be placed in: capacity minus everything
@@ -378,9 +381,10 @@ def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.
     return taken, room
 
 
-def _actions(table: _Table, placed: np.ndarray) -> list[Action]:
+def _actions(table: _Table, placed: np.ndarray, forms: FormChooser | None) -> list[Action]:
     """`ledger.placement_actions` for the whole table at once: drops first, then moves out of
-    the slowest tiers first, then keeps (one per session left where it is)."""
+    the slowest tiers first, then keeps (one per session left where it is). `forms` picks
+    each move's form (None: the chunk's own)."""
     if not len(placed):
         return [Keep(session.session_id) for session in table.sessions]
     column_of_rank = np.full(len(TIER_RANK), -2)
@@ -406,8 +410,9 @@ def _actions(table: _Table, placed: np.ndarray) -> list[Action]:
             elif target == current[r]:
                 keeps.append(Keep(sid, index))
             else:
-                form = session.stored_chunks()[r - starts[s]].form
-                move = Move(sid, index, table.tiers[target], form)
+                chunk, tier = session.stored_chunks()[r - starts[s]], table.tiers[target]
+                form = chunk.form if forms is None else forms.choose(chunk, tier)
+                move = Move(sid, index, tier, form)
                 moves.append((-int(table.rank[r]), move))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
     return drops + [move for _, move in moves] + keeps

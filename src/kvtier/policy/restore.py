@@ -32,6 +32,7 @@ from itertools import accumulate
 from typing import Literal
 
 from kvtier.policy.cost_model import CostModel
+from kvtier.policy.forms import chunk_restore_s
 from kvtier.policy.view import ChunkView
 from kvtier.tiers.vocab import DEVICE
 
@@ -62,9 +63,7 @@ class _Costs:
             0.0 if c.tier == DEVICE else model.chunk_recompute_s(c.tokens, c.token_start)
             for c in ordered
         )
-        load = tuple(
-            math.inf if c.tier is None else model.load_s(c.size_bytes, c.tier) for c in ordered
-        )
+        load = tuple(math.inf if c.tier is None else chunk_restore_s(model, c) for c in ordered)
         return cls(ordered, compute, load)
 
     @property

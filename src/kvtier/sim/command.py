@@ -76,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set a [policy] key for every run, e.g. interval_s=30 (repeatable)",
     )
     pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
+    pol.add_argument(
+        "--max-accuracy-loss",
+        type=float,
+        metavar="POINTS",
+        help="let the cost policy store chunks on disk/remote as int8/int4 where their "
+        "measured kvtier eval loss is at most this ([policy] max_accuracy_loss; default 0)",
+    )
+    pol.add_argument(
+        "--accuracy-file",
+        metavar="PATH",
+        help="accuracy figures (kvtier eval --kv-forms ... writes DIR/forms.json); default: "
+        "kvtier's bundled figures for --model, if any",
+    )
     hw = parser.add_argument_group(
         "deployment (budgets are per replica; with --against, what is not given is the bench run's)"
     )
@@ -167,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
     deployment = _deployment(args, args.hardware)
     names = _names(args.policies)
     print("\n".join(setup_lines(deployment, requests, names)))
+    if "cost" in names:
+        budget = _policy_config(args, "cost").form_budget()
+        note = f" ({budget.note})" if budget.note else ""
+        print(f"cost: stored forms allowed on disk/remote: {', '.join(budget.allowed)}{note}")
     runs, notes, warnings = [], {}, []
     for name in names:
         result = simulate(requests, deployment, _policy_config(args, name), histories)
@@ -182,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         money = _bill(result.run, deployment, _policy_config(args, name))
         print(f"{name}: bill: {money.line()}")
         notes[name]["bill"] = money.to_dict()
+        if result.forms.get("codec_s"):
+            print(f"{name}: stored forms: {_forms_line(result.forms)}")
+            notes[name]["forms"] = result.forms
         if result.calibration is not None:
             # how well the policy's P(return within its horizon) matched what happened
             print(f"{name}: reuse predictions: {result.calibration.line()}")
@@ -313,11 +333,28 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
     )
 
 
+def _forms_line(forms: dict[str, dict[str, float]]) -> str:
+    tokens = forms["restored_tokens"]
+    codec = forms["codec_s"]
+    restored = " / ".join(f"{form} {tokens[form]:,.0f}" for form in sorted(tokens))
+    return (
+        f"tokens restored from lower tiers: {restored or 'none'}; encode "
+        f"{codec.get('encode', 0):.2f} s (mover's worker), decode {codec.get('decode', 0):.2f} s "
+        "(on restores)"
+    )
+
+
 def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
     from kvtier.policy.config import CONFIG_ENV, load_config
 
     path = args.config or os.environ.get(CONFIG_ENV)
-    return load_config(path, env=os.environ, settings=args.policy_set, policy=name)
+    settings = list(args.policy_set)
+    if args.max_accuracy_loss is not None:
+        settings.append(f"max_accuracy_loss={args.max_accuracy_loss!r}")
+    if args.accuracy_file is not None:
+        settings.append(f"accuracy_file={json.dumps(args.accuracy_file)}")
+    config = load_config(path, env=os.environ, settings=settings, policy=name)
+    return config.for_model(args.model)
 
 
 def _bill(run: Any, deployment: Deployment, config: PolicyConfig) -> Any:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvtier.errors import KvtierError
 from kvtier.paths import cache_dir
 from kvtier.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS, Accelerator
-from kvtier.policy.cost_model import TierLink
+from kvtier.policy.cost_model import CodecSpeed, TierLink, memory_bound_codecs
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -56,6 +56,14 @@ class AcceleratorSpec(_Strict):
 class Efficiency(_Strict):
     compute: Share = DEFAULT_EFFICIENCY  # share of peak FLOP/s that GEMMs reach
     memory: Share = 0.8  # share of memory bandwidth that weight and KV reads reach
+
+
+class CodecSpec(_Strict):
+    """A stored form's codec speed on this hardware, in bytes of full-precision KV per second
+    (measured; without it, derived from memory bandwidth: cost_model.CodecSpeed.memory_bound)."""
+
+    encode_bytes_per_s: PositiveFloat
+    decode_bytes_per_s: PositiveFloat
 
 
 class Interconnect(_Strict):
@@ -114,6 +122,7 @@ class HardwareProfile(_Strict):
     key_overhead_s: NonNegativeFloat = 0.0
     interconnect: Interconnect | None = None  # None: one GPU per replica only
     links: dict[LowerTier, LinkSpec] = Field(default_factory=dict)
+    codecs: dict[Literal["int8", "int4"], CodecSpec] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_preset(self) -> HardwareProfile:
@@ -133,6 +142,19 @@ class HardwareProfile(_Strict):
         return Accelerator(
             spec.name, spec.name, spec.peak_flops, spec.memory_bytes, spec.memory_bandwidth
         )
+
+    def codec_speeds(self, gpus: int = 1) -> dict[str, CodecSpeed]:
+        """Each stored form's codec on `gpus` accelerators that each code their share of a
+        chunk: measured where the profile gives it, else memory-bound at the profile's memory
+        efficiency."""
+        derived = memory_bound_codecs(
+            gpus * self.device().memory_bandwidth * self.efficiency.memory
+        )
+        measured = {
+            form: CodecSpeed(spec.encode_bytes_per_s * gpus, spec.decode_bytes_per_s * gpus)
+            for form, spec in self.codecs.items()
+        }
+        return {**derived, **measured}
 
     def tier_paths(self) -> dict[str, TierPath]:
         """Each configured lower tier's link, named links completed from links.toml."""

@@ -36,14 +36,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from kvtier.errors import KvtierError
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.executor import ActionExecutor
+from kvtier.policy.ledger import form_bytes
 from kvtier.policy.metrics import PolicyMetrics
 from kvtier.policy.restore import plan_restore
 from kvtier.policy.view import ChunkView, PolicyView, QueueView, Reason, TierView, TurnView
@@ -57,6 +58,7 @@ from kvtier.sim.step_model import StepModel
 from kvtier.tiers.payload import Payload
 from kvtier.tiers.sized import SizeOnlyTier
 from kvtier.tiers.store import TieredStore
+from kvtier.tiers.vocab import FULL, lossiest
 from kvtier.workload.model import Request
 
 # How far a request's prefill may go: recomputed chunks with no load before them, then those
@@ -145,7 +147,8 @@ class ReplicaChunks:
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        self.spills: dict[str, list[int]] = {}  # tier -> sizes of the chunks spilled there
+        # tier -> (bytes written, device bytes freed) of the chunks spilled there
+        self.spills: dict[str, list[tuple[int, int]]] = {}
 
     @property
     def tiers(self) -> Sequence[str]:
@@ -158,11 +161,6 @@ class ReplicaChunks:
 
     def move(self, session_id: str, index: int, tier: str, form: str) -> str | None:
         replica = self.replica
-        if form != "full":
-            raise KvtierError(
-                f"policy {replica.policy.name!r} asked for form {form!r}; the "
-                "simulator does not model compressed KV yet"
-            )
         session = replica.sessions[session_id]
         size, source, chunk = session.sizes[index], session.tiers[index], session.chunk(index)
         target = replica.store.tiers[tier]
@@ -175,30 +173,54 @@ class ReplicaChunks:
             replica.epoch += 1
             if tier == source:
                 return None
+        # precision only goes down (cache/forms.py): the chunk is stored at the lossier of
+        # its own form and the asked one, in that form's bytes, encoded on the mover's worker
+        form = lossiest(session.forms[index], form)
+        stored = size
+        if form != session.forms[index] or (source == "device" and form != FULL):
+            full = session.device_bytes(index)
+            stored = form_bytes(full, FULL, form)
+            replica.codec_s["encode"] += replica.cost_model.encode_s(full, form)
         if tier == replica.top_tier:
-            replica._reclaim(target, size)
-        if not target.fits(size):
+            replica._reclaim(target, stored)
+        if not target.fits(stored):
             replica._drop_chunk(session, index)
         elif source == "device":
-            if replica.store.put(chunk, Payload.sized(size), tier=tier):
-                session.tiers[index] = tier
+            if replica.store.put(chunk, Payload.sized(stored), tier=tier):
+                self._stored(session, index, tier, form, stored)
                 replica.pending_free += size
-                self.spills.setdefault(tier, []).append(size)
+                self.spills.setdefault(tier, []).append((stored, size))
             else:
                 replica._drop_chunk(session, index)
-        else:
+        elif stored == size:
             moved = replica.store.demote(chunk.id, to=tier)
             session.tiers[index] = tier if moved else None
             if moved:
                 replica._write(tier, [size], None)
+        else:  # re-encoded on the way down: the size-only store holds the new size
+            replica.store.delete(chunk.id)
+            if replica.store.put(chunk, Payload.sized(stored), tier=tier):
+                self._stored(session, index, tier, form, stored)
+                replica._write(tier, [stored], None)
+            else:
+                replica._drop_chunk(session, index)
         return None
+
+    @staticmethod
+    def _stored(session: SimSession, index: int, tier: str, form: str, stored: int) -> None:
+        if stored != session.sizes[index]:
+            session.full.setdefault(index, session.sizes[index])
+        session.tiers[index], session.forms[index], session.sizes[index] = tier, form, stored
 
     def drop(self, session_id: str, index: int) -> None:
         self.replica._drop_chunk(self.replica.sessions[session_id], index)
 
     def flush(self) -> None:
-        for tier, sizes in self.spills.items():
-            self.replica._write(tier, sizes, self.replica._spilled)
+        replica = self.replica
+        for tier, spills in self.spills.items():
+            written, freed = (list(column) for column in zip(*spills, strict=True))
+            # the device frees the chunks' own bytes once their (maybe smaller) copies land
+            replica._write(tier, written, partial(replica._spilled, sum(freed)))
         self.spills = {}
 
 
@@ -278,6 +300,9 @@ class Replica:
         # the engine's interpreter of actions, over this replica's size-only store
         self.executor = ActionExecutor(ReplicaChunks(self))
         self.policy_s = 0.0  # wall time spent in the policy's decide(): what the loop waits on
+        # seconds spent encoding (the mover's worker) and decoding (restores) stored forms
+        self.codec_s: Counter[str] = Counter()
+        self.form_tokens: Counter[str] = Counter()  # tokens restored from lower tiers, per form
 
     @property
     def load(self) -> int:
@@ -334,7 +359,7 @@ class Replica:
         # without loads) the queued turn pins nothing: like a prefix cache, its KV stays
         # evictable until the scheduler takes it.
         if plan[1]:
-            load_bytes = sum(session.sizes[i] for i in plan[1])
+            load_bytes = sum(session.device_bytes(i) for i in plan[1])
             ahead = sum(w.reserve - w.device_base - w.allocated for w in self.waiting)
             ahead -= r.reserve - r.device_base  # itself (just queued, nothing allocated)
             # only memory no earlier request needs: prefetching must not block the queue
@@ -422,7 +447,7 @@ class Replica:
         if all(tier is None or tier == "device" for tier in tiers):
             return {i for i, tier in enumerate(tiers) if tier is None}, ()
         chunks = [
-            ChunkView(i, *r.session.chunk_range(i), tier, r.session.sizes[i])
+            ChunkView(i, *r.session.chunk_range(i), tier, r.session.sizes[i], r.session.forms[i])
             for i, tier in enumerate(tiers)
         ]
         plan = plan_restore(chunks, self.cost_model)
@@ -454,6 +479,8 @@ class Replica:
                 restored[tier] += end - start
                 if tier == "device":
                     r.device_base += session.sizes[i]
+                else:
+                    self.form_tokens[session.forms[i]] += end - start
         if r.shared:
             restored["device"] += r.shared
         r.record.restored_tokens = dict(restored)
@@ -479,7 +506,7 @@ class Replica:
         if r.phases:  # the last phase to arrive lets the new prompt in
             r.phases[-1] = (GATE_ALL, r.phases[-1][1])
         r.open_gate = GATE_NONE if early else GATE_EARLY if late else GATE_ALL
-        r.load_bytes = sum(session.sizes[i] for i in loads)
+        r.load_bytes = sum(session.device_bytes(i) for i in loads)
 
     # -- loads and spills --------------------------------------------------------------
 
@@ -493,9 +520,17 @@ class Replica:
 
     def _start_phase(self, r: SimRequest, phase: int) -> None:
         for tier, indices in r.phases[phase][1].items():
-            link = self.model.paths[tier].read
-            work = sum(r.session.sizes[i] for i in indices)
+            link, session = self.model.paths[tier].read, r.session
+            work = sum(session.sizes[i] for i in indices)
             work += len(indices) * link.latency_s * link.bandwidth
+            # a quantized chunk is decoded as it arrives, on the restore's path: counted as
+            # link time, the one pipeline a chunk's load and decode run through here
+            decode = sum(
+                self.cost_model.decode_s(session.device_bytes(i), session.forms[i]) for i in indices
+            )
+            if decode:
+                self.codec_s["decode"] += decode
+                work += decode * link.bandwidth
             self.in_flight += 1
             r.pending += 1
             self.read[tier].submit(work, self._loaded, r, phase)
@@ -511,6 +546,7 @@ class Replica:
             for i in indices:
                 self.store.delete(session.chunk(i).id)
                 session.tiers[i], session.access[i] = "device", now
+                session.sizes[i] = session.full.pop(i, session.sizes[i])
         session.changed()
         r.open_gate = gate
         if phase + 1 < len(r.phases):
@@ -528,9 +564,11 @@ class Replica:
         if then is not None:
             then(nbytes)
 
-    def _spilled(self, nbytes: int) -> None:
-        self.pending_free -= nbytes
-        self.used -= nbytes
+    def _spilled(self, freed: int, _written: int) -> None:
+        """A batch of spills landed: the device frees what the chunks took there (`freed`),
+        which is more than was written for chunks stored in a smaller form."""
+        self.pending_free -= freed
+        self.used -= freed
         self.epoch += 1
         self._kick()
 
@@ -766,7 +804,8 @@ class Replica:
         elif tier is not None:
             self.store.delete(session.chunk(i).id)
             self.dropped[tier] += session.sizes[i]
-        session.tiers[i] = None
+            session.sizes[i] = session.full.pop(i, session.sizes[i])
+        session.tiers[i], session.forms[i] = None, FULL  # recomputed, it is exact again
         session.changed()
 
     # -- shared prefixes ---------------------------------------------------------------

@@ -4,7 +4,10 @@ changes, so a timer decision over thousands of idle sessions rebuilds only the o
 
 KV covers tokens [0, tokens) of the conversation on a fixed grid of `chunk_tokens`; chunk i is
 tokens [i C, min((i + 1) C, tokens)). Each chunk is in one tier (device, host, disk, remote) or
-nowhere (None: recompute it), with the bytes it holds there.
+nowhere (None: recompute it), with the bytes it holds there, in a form (`forms`: full, or
+int8 / int4 once a policy stored it so; it stays lossy after a restore, as the engine's blocks
+do). A chunk stored in a quantized form remembers its full-precision bytes (`full`), which it
+takes again on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.policy.view import ChunkView, SessionView, TurnView
 from kvtier.tiers.store import Chunk
+from kvtier.tiers.vocab import FULL
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Request
@@ -30,6 +34,8 @@ class SimSession:
         "busy",
         "chunk_tokens",
         "copied",
+        "forms",
+        "full",
         "hash_ids",
         "idle_since",
         "pending",
@@ -51,6 +57,8 @@ class SimSession:
         self.tokens = 0
         self.tiers: list[str | None] = []
         self.sizes: list[int] = []
+        self.forms: list[str] = []
+        self.full: dict[int, int] = {}  # chunk -> full-precision bytes, while stored quantized
         self.access: list[float] = []
         # write-through: chunk i (on the device) also has a clean copy in the top lower tier
         self.copied: list[bool] = []
@@ -81,6 +89,10 @@ class SimSession:
         end = self.tokens if tokens is None else tokens
         return index * self.chunk_tokens, min((index + 1) * self.chunk_tokens, end)
 
+    def device_bytes(self, index: int) -> int:
+        """What chunk `index` takes on the device: its full-precision bytes."""
+        return self.full.get(index, self.sizes[index])
+
     def stored(self) -> list[int]:
         return [i for i, tier in enumerate(self.tiers) if tier is not None]
 
@@ -89,6 +101,8 @@ class SimSession:
         turn kept stay valid: the caller deleted those of chunks it changed."""
         self.tokens = tokens
         self.copied = self.copied[: len(sizes)] + [False] * (len(sizes) - len(self.copied))
+        self.forms = self.forms[: len(sizes)] + [FULL] * (len(sizes) - len(self.forms))
+        self.full = {}
         self.tiers = ["device"] * len(sizes)
         self.sizes = sizes
         self.access = [now] * len(sizes)
@@ -97,6 +111,8 @@ class SimSession:
     def truncate(self, chunks: int) -> None:
         """Forget chunks from `chunks` on (the caller has freed them)."""
         del self.tiers[chunks:], self.sizes[chunks:], self.access[chunks:], self.copied[chunks:]
+        del self.forms[chunks:]
+        self.full = {i: size for i, size in self.full.items() if i < chunks}
         self.tokens = min(self.tokens, chunks * self.chunk_tokens)
         self._view = None
 
@@ -107,7 +123,9 @@ class SimSession:
         """The policy's view; it lists stored chunks only (the rest has nothing to place)."""
         if self._view is None:
             chunks = tuple(
-                ChunkView(i, *self.chunk_range(i), tier, self.sizes[i], last_access=self.access[i])
+                ChunkView(
+                    i, *self.chunk_range(i), tier, self.sizes[i], self.forms[i], self.access[i]
+                )
                 for i, tier in enumerate(self.tiers)
                 if tier is not None
             )

@@ -17,7 +17,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.bench.replay import next_arrivals
 from kvtier.policy.base import RetentionPolicy
@@ -49,6 +49,8 @@ class SimResult:
     wall_s: float
     policy_s: float  # of which in the policy's decide()
     calibration: Calibration | None = None  # the reuse predictions scored, where a policy makes any
+    # stored forms: tokens restored from lower tiers per form, codec seconds (encode, decode)
+    forms: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def simulate(
@@ -150,7 +152,7 @@ def simulate(
     policy_s = sum(replica.policy_s for replica in replicas)
     wall_s = time.perf_counter() - started
     scored = calibration if calibration.resolved else None
-    return SimResult(run, loop.processed, steps, wall_s, policy_s, scored)
+    return SimResult(run, loop.processed, steps, wall_s, policy_s, scored, _forms(replicas))
 
 
 def _policy(
@@ -165,6 +167,15 @@ def _policy(
     if getattr(policy, "calibration", False) is None:  # it predicts, and nobody scores it yet
         policy.calibration = calibration
     return policy
+
+
+def _forms(replicas: Sequence[Replica]) -> dict[str, dict[str, float]]:
+    restored: Counter[str] = Counter()
+    codec: Counter[str] = Counter()
+    for replica in replicas:
+        restored.update(replica.form_tokens)
+        codec.update(replica.codec_s)
+    return {"restored_tokens": dict(restored), "codec_s": dict(codec)}
 
 
 def _traffic(replicas: Sequence[Replica]) -> dict[str, TierTraffic]:

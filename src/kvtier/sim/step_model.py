@@ -187,6 +187,7 @@ class StepModel:
             ),
             prefill_pair_s=self.flops_per_pair / self.compute_rate,
             links={tier: path.read for tier, path in self.paths.items()},
+            codecs=self.profile.codec_speeds(self.tp),
         )
 
 

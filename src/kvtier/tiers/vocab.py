@@ -25,3 +25,8 @@ INT8: Final = "int8"
 INT4: Final = "int4"
 FORM_PRECISION: Final = {FULL: 2, INT8: 1, INT4: 0}  # higher is more precise
 FORMS: Final = tuple(FORM_PRECISION)
+
+
+def lossiest(*forms: str) -> str:
+    """The least precise of `forms` (FULL when none are given)."""
+    return min(forms, key=FORM_PRECISION.__getitem__, default=FULL)
