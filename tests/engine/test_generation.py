@@ -110,7 +110,7 @@ class _CountingSampler:
 
     def __call__(self, logits, params, generators):
         self.calls.append(len(params))
-        if any(p.seed == self.poison for p in params):
+        if self.poison is not None and any(p.seed == self.poison for p in params):
             raise RuntimeError("injected sampling fault")
         return self.inner(logits, params, generators)
 
