@@ -62,8 +62,9 @@ fi
 timeout "$(cap 90)" "$VENV/bin/kvtier" model prepare
 mkdir -p "$OUT"
 check_s=$(cap $((DEADLINE - SECONDS - TESTS_S)))
-# the resume phase stops starting repeats this long before the check's own timeout
-resume_s=$((check_s - 90))
+# the resume phase starts no repeat after its budget: the check's time less the parity
+# phase's 45 s and 90 s for a last repeat at 32K, the prediction and the report
+resume_s=$((check_s - 135))
 [ "$resume_s" -gt 30 ] || fail "only ${check_s}s left for the check"
 set +e  # a failed check still runs the tests and reports
 # shellcheck disable=SC2086
