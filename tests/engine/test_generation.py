@@ -98,3 +98,53 @@ def test_metrics_are_recorded(bf16_engine):
     assert m.ttft_s is not None and m.ttft_s > 0
     assert len(m.itl_s) == 4 and all(x >= 0 for x in m.itl_s)
     assert m.e2e_s >= m.ttft_s
+
+
+class _CountingSampler:
+    """The engine's own sampler, counting its calls and rows; rows of requests with seed
+    `poison` raise, as a NaN row would."""
+
+    def __init__(self, inner, poison: int | None = None) -> None:
+        self.inner, self.poison = inner, poison
+        self.calls: list[int] = []
+
+    def __call__(self, logits, params, generators):
+        self.calls.append(len(params))
+        if self.poison is not None and any(p.seed == self.poison for p in params):
+            raise RuntimeError("injected sampling fault")
+        return self.inner(logits, params, generators)
+
+
+def test_a_step_samples_all_its_rows_in_one_call(bf16_engine):
+    """One call per step: on a GPU one copy of the ids to the host, not one per sequence."""
+    sampler = _CountingSampler(bf16_engine.sampler)
+    bf16_engine.sampler = sampler
+    try:
+        outs = bf16_engine.generate(
+            ["One", "Two words", "Three words here"],
+            [
+                SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True),
+                *[SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2,
+            ],
+        )
+    finally:
+        bf16_engine.sampler = sampler.inner
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert sampler.calls == [3] * 6  # the prefill step, then 5 decode steps: 3 rows each
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone_with_the_same_draws(bf16_engine):
+    params = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, seed=77)
+    (alone,) = bf16_engine.generate(["Tell me a story."], params)
+    sampler = _CountingSampler(bf16_engine.sampler, poison=4711)
+    bf16_engine.sampler = sampler
+    try:
+        good, bad = bf16_engine.generate(
+            ["Tell me a story.", "Another prompt"],
+            [params, SamplingParams(temperature=0.9, max_tokens=12, seed=4711)],
+        )
+    finally:
+        bf16_engine.sampler = sampler.inner
+    assert bad.finish_reason == "error" and "sampling" in (bad.error or "")
+    # the batch call failed, its generators were put back, the row was sampled alone
+    assert good.token_ids == alone.token_ids

@@ -72,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine (the same for every policy)")
     eng.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
     eng.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     eng.add_argument(
         "--kv-cache-bytes",
         default=DEFAULT_KV_BYTES,
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     base = {
         "model_dir": args.model,
         "dtype": args.dtype,
+        "device": args.device,
         "kv_cache_bytes": kv_bytes,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -111,13 +111,13 @@ class ConnectorChunks:
         where = c.locate(chunk.id)
         refused = None
         if where is None:
-            payload = c.gather(run)
+            payload, ready = c.gather(run)
 
             def done(ok: bool, nbytes: int = payload.nbytes) -> None:
                 name = f"policy_moved_bytes_device->{tier}" if ok else "spill_failures"
                 c.counters[name] += nbytes if ok else 1
 
-            c.writes.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)))
+            c.writes.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)), ready=ready)
         elif where != tier:
             refused = self._demote(chunk, tier, form)
         c.drop_device_blocks(

@@ -9,17 +9,17 @@ policy runner all ask this one place, so they agree on what "stored" means.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
 
 from kvtier.cache.forms import lossiest
 from kvtier.cache.writes import BackgroundWrites
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.connector import KVBlockPort
+from kvtier.engine.device_copy import for_device
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, Payload, TieredStore
-from kvtier.tiers.payload import aligned_bytes
-from kvtier.tiers.record import PAGE_BYTES
 from kvtier.tiers.vocab import FULL
 
 
@@ -38,6 +38,7 @@ class Chunks:
         self.blocks_per_chunk = blocks_per_chunk
         self.block_pool = block_pool
         self.port = port
+        self.copy = for_device(port.device)  # how blocks move between pool and host
         self.store = store
         self.writes = writes
         self.tier_forms = tier_forms  # tier -> its form, when not full
@@ -105,18 +106,15 @@ class Chunks:
         """The least precise form among these device blocks (restored ones keep theirs)."""
         return lossiest(*(self.block_pool.forms[b] for b in block_ids))
 
-    def gather(self, block_ids: Sequence[int]) -> Payload:
-        """The blocks' KV as one contiguous payload ([n, *block_shape], one copy through the
-        pool's block port).
+    def gather(self, block_ids: Sequence[int]) -> tuple[Payload, Callable[[], None]]:
+        """The blocks' KV as one contiguous host payload ([n, *block_shape], one copy through
+        the pool's block port), and the call that waits until its bytes are there: on CUDA
+        the copy runs on a side stream (`kvtier.engine.device_copy`), so whoever reads the
+        bytes (the mover's worker) calls it first. The pool may reuse the blocks at once."""
+        host = self.copy.save(self.port, block_ids)
+        return Payload.of(host.blocks), host.ready
 
-        On CPU the copy lands in page-aligned memory: torch's own large tensors start 64
-        bytes into a page, which would send every spill to an O_DIRECT disk tier through a
-        bounce copy (docs/tiers.md)."""
-        port = self.port
-        if port.device.type != "cpu":
-            return Payload.of(port.read_blocks(block_ids).cpu())
-        shape = (len(block_ids), *port.block_shape)
-        nbytes = math.prod(shape) * port.dtype.itemsize
-        staging = aligned_bytes(nbytes, PAGE_BYTES).view(port.dtype).view(shape)
-        port.read_blocks(block_ids, out=staging)
-        return Payload.of(staging)
+    def load(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Fill these device blocks from `blocks` [n, *block_shape]; the next forward sees
+        them (on CUDA the copy is queued on a side stream the compute stream waits for)."""
+        self.copy.load(self.port, block_ids, blocks)

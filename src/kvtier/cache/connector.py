@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cache.chunks import Chunks
@@ -141,7 +141,7 @@ class TieredConnector:
     def form_of(self, block_ids: Sequence[int]) -> str:
         return self.chunks.form_of(block_ids)
 
-    def gather(self, block_ids: Sequence[int]) -> Payload:
+    def gather(self, block_ids: Sequence[int]) -> tuple[Payload, Callable[[], None]]:
         return self.chunks.gather(block_ids)
 
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:

@@ -241,7 +241,7 @@ class Restorer:
             return False
         grid = (load.first // self.chunks.blocks_per_chunk) * self.chunks.blocks_per_chunk
         blocks = loaded.blocks[load.first - grid : load.end - grid]
-        self.chunks.port.write_blocks(block_ids, blocks)
+        self.chunks.load(block_ids, blocks)
         for block_id in block_ids:
             # a block restored lossy is never "exact"
             self.chunks.block_pool.set_form(block_id, loaded.form)

@@ -82,7 +82,7 @@ class Spiller:
             return
         # The gather is the copy out of the device block, so the pool may reuse the block as
         # soon as this returns; the tier write happens on the mover's worker.
-        payload = c.gather(ids)
+        payload, ready = c.gather(ids)
         kind = "swapped" if info.swap else "spilled"
         blocks = len(ids)
 
@@ -94,7 +94,7 @@ class Spiller:
             else:
                 self.counters["spill_failures"] += 1  # dropped (queue full) or failed
 
-        c.writes.put(chunk, payload, None, done, c.form_of(ids))
+        c.writes.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
 
     def write_through_chunks(self, keys: Sequence[bytes], namespace: str) -> None:
         """Queue each full chunk of a finished request that no tier holds (nor is being
@@ -109,7 +109,7 @@ class Spiller:
             ids = [b for b in map(c.block_pool.lookup, chunk_keys) if b is not None]
             if len(ids) < len(chunk_keys):
                 continue  # some block was never cached: no whole chunk to copy
-            payload = c.gather(ids)
+            payload, ready = c.gather(ids)
 
             def done(ok: bool, nbytes: int = payload.nbytes) -> None:
                 if ok:
@@ -118,7 +118,7 @@ class Spiller:
                 else:
                     self.counters["write_through_failures"] += 1  # queue full, or failed
 
-            c.writes.put(chunk, payload, None, done, c.form_of(ids))
+            c.writes.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
 
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
         """Evict these keys' idle device blocks without spilling them (a policy decided)."""

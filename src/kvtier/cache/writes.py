@@ -53,11 +53,14 @@ class BackgroundWrites:
         tier: str | None,
         on_done: Callable[[bool], None],
         form: str = "full",
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Store `payload` (a copy the caller will not touch again) in `tier` in the background,
-        at most as precise as `form` (the tier's own form may be less precise still)."""
+        at most as precise as `form` (the tier's own form may be less precise still). `ready`
+        waits until the payload's bytes are there (a device copy in flight); the mover's
+        worker calls it before reading them."""
         self._deleting.pop(chunk.id, None)  # queued after the delete: it runs after it
-        future = self.mover.spill(chunk, payload, tier=tier, form=form)
+        future = self.mover.spill(chunk, payload, tier=tier, form=form, ready=ready)
         self._staged[chunk.id] = _Staged(Staged(payload, tier or self.top_tier, form), future)
         self._done.append((future, on_done))
 

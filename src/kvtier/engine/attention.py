@@ -105,7 +105,8 @@ class PagedAttention:
             out[:nd] = o[:, 0]
         for span in meta.prefills:
             key, value = self.pool.gather(layer, span.block_table, meta.slot_index)
-            key_lens = torch.tensor([span.context_len], device=q.device)
+            # On the host: a per-layer copy to a GPU would synchronise (only observers read it).
+            key_lens = torch.tensor([span.context_len])
             for chunk in span.chunks:
                 rows = slice(span.token_start + chunk.start, span.token_start + chunk.end)
                 o = self._attend(

@@ -347,17 +347,42 @@ class Engine:
                 self._after_forward(request)
             except Exception:
                 outputs.append(self._fail(request, "storing its KV"))
-        for row, request in enumerate(result.sampled):
-            if request.is_finished:
-                continue
+        live = [(row, r) for row, r in enumerate(result.sampled) if not r.is_finished]
+        tokens = self._sample_all(result.logits, live)
+        for (row, request), token_id in zip(live, tokens, strict=True):
             try:
-                # One row at a time, so a row that cannot be sampled fails alone.
-                (token_id,) = self.sampler(
-                    result.logits[row : row + 1], [request.sampling_params], [request.generator]
-                )
+                if token_id is None:
+                    # One row at a time, so a row that cannot be sampled fails alone.
+                    (token_id,) = self.sampler(
+                        result.logits[row : row + 1],
+                        [request.sampling_params],
+                        [request.generator],
+                    )
                 outputs.append(self._accept_token(request, token_id))
             except Exception:
                 outputs.append(self._fail(request, "sampling its next token"))
+
+    def _sample_all(
+        self, logits: torch.Tensor, live: list[tuple[int, Request]]
+    ) -> list[int] | list[None]:
+        """The next token of every live row in one call: one copy of the ids to the host per
+        step (on a GPU one synchronisation, not one per sequence). When any row raises, the
+        generators are put back as they were and every row is left (None) to be sampled
+        alone, so a row that cannot be sampled fails by itself, with the same draws."""
+        if not live:
+            return []
+        generators = [r.generator for _, r in live]
+        states = [g.get_state() if g is not None else None for g in generators]
+        rows = [row for row, _ in live]
+        # a slice when no row was dropped (the common case): a list index would be copied
+        picked = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[rows]
+        try:
+            return self.sampler(picked, [r.sampling_params for _, r in live], generators)
+        except Exception:
+            for generator, state in zip(generators, states, strict=True):
+                if generator is not None:
+                    generator.set_state(state)
+            return [None] * len(live)
 
     def _on_admitted(self, request: Request) -> None:
         if self.connector is not None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.engine.device_copy import device_index
 from kvtier.engine.hooks import BlockCodec, IdentityCodec
 from kvtier.errors import KvtierError
 
@@ -125,7 +126,7 @@ class KVPool:
     ) -> torch.Tensor:
         """A copy of these blocks, [n, *block_shape], into `out` when given (the block port
         of `kvtier.engine.connector`: one gather for a whole chunk)."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        index = device_index(block_ids, self.device)
         if out is None:
             return self.kv.index_select(0, index)
         torch.index_select(self.kv, 0, index, out=out)
@@ -133,7 +134,7 @@ class KVPool:
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Fill these blocks from [n, *block_shape] (one scatter)."""
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        index = device_index(block_ids, self.device)
         with torch.inference_mode():
             self.kv.index_copy_(0, index, blocks.to(self.kv.device, self.dtype))
 

@@ -36,10 +36,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvtier.compress.quant import group_scales, pack_split, to_codes, unpack_split
+from kvtier.engine.device_copy import device_index
 from kvtier.engine.hooks import BlockCodec, IdentityCodec
 from kvtier.engine.kv_pool import token_vector_index, zeros
 from kvtier.errors import KvtierError
@@ -64,6 +66,13 @@ class WritePlan:
     filled_index: torch.Tensor  # vector index in scratch, layer 0's K
     filled_blocks: torch.Tensor  # block ids, one per scratch row
     scratch: torch.Tensor  # [len(filled_blocks), L, 2, H, bs, D]
+
+
+class _Paste(NamedTuple):
+    """Index tensors of `QuantizedKVPool._paste_index` (None: nothing to paste)."""
+
+    staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    filled: tuple[torch.Tensor, ...] | None
 
 
 class QuantizedKVPool:
@@ -139,6 +148,9 @@ class QuantizedKVPool:
         self._slot_of_device = self._slot_of.to(self.device)
         self._staged_block: dict[int, int] = {}  # slot -> block
         self._free_slots = list(range(staging_blocks))
+        # block table -> where gather pastes staged tails and this step's filled blocks
+        # (see `_paste_index`); emptied whenever the slots or the step change.
+        self._paste: dict[tuple[int, int], tuple[torch.Tensor, _Paste]] = {}
         # Whether a block still has an owner; set by the engine (its BlockPool's refcounts).
         # A partial block whose request finished leaves a stale staging slot, reclaimed
         # when the slots run out.
@@ -165,6 +177,7 @@ class QuantizedKVPool:
         """Plan a step's writes (tokens in sequence order, so a block that gets its last
         slot written this step is full afterwards)."""
         h = self.num_kv_heads
+        self._paste.clear()  # a new step: new tables and plan
         filled = torch.unique(block_ids[offsets == self.block_size - 1])
         is_filled = torch.isin(block_ids, filled)
         scratch = torch.zeros(
@@ -284,18 +297,40 @@ class QuantizedKVPool:
             take("value_step")[..., None],
             self.dtype,
         ).view(b, h, nb, bs, d)
-        if self._staged_block:
-            slots = self._slot_of_device[index].view(b, nb)
-            seq, pos = (slots >= 0).nonzero(as_tuple=True)
-            if seq.numel():
-                staged = self.staging[slots[seq, pos], layer]  # [n, 2, H, bs, D]
-                key[seq, :, pos] = staged[:, 0]
-                value[seq, :, pos] = staged[:, 1]
-        if plan is not None and plan.filled_blocks.numel():
-            seq, pos, row = (block_tables[..., None] == plan.filled_blocks).nonzero(as_tuple=True)
+        paste = self._paste_index(block_tables, plan)
+        if paste.staged is not None:
+            seq, pos, slots = paste.staged
+            staged = self.staging[slots, layer]  # [n, 2, H, bs, D]
+            key[seq, :, pos] = staged[:, 0]
+            value[seq, :, pos] = staged[:, 1]
+        if plan is not None and paste.filled is not None:
+            seq, pos, row = paste.filled
             key[seq, :, pos] = plan.scratch[row, layer, 0]
             value[seq, :, pos] = plan.scratch[row, layer, 1]
         return key.view(b, h, nb * bs, d), value.view(b, h, nb * bs, d)
+
+    def _paste_index(self, block_tables: torch.Tensor, plan: WritePlan | None) -> _Paste:
+        """Where `gather` pastes full-precision blocks into these tables: (sequence, block
+        position, staging slot) of staged tails, (sequence, position, scratch row) of the
+        blocks `plan` fills. The same for every layer of a step, so found once per table and
+        step: `nonzero` waits for the device, which per layer would stall a GPU's queue."""
+        cache_key = (id(block_tables), id(plan))
+        hit = self._paste.get(cache_key)
+        if hit is not None and hit[0] is block_tables:
+            return hit[1]
+        staged = filled = None
+        if self._staged_block:
+            slots = self._slot_of_device[block_tables.reshape(-1)].view(block_tables.shape)
+            seq, pos = (slots >= 0).nonzero(as_tuple=True)
+            if seq.numel():
+                staged = (seq, pos, slots[seq, pos])
+        if plan is not None and plan.filled_blocks.numel():
+            found = (block_tables[..., None] == plan.filled_blocks).nonzero(as_tuple=True)
+            if found[0].numel():
+                filled = found
+        paste = _Paste(staged, filled)
+        self._paste[cache_key] = (block_tables, paste)  # the table kept: its id stays its own
+        return paste
 
     def gather_tokens(self, block_table: list[int], slots: torch.Tensor) -> torch.Tensor:
         """Copy out chosen slots of one sequence: `slots` [layers, kv_heads, n] (each layer
@@ -319,7 +354,7 @@ class QuantizedKVPool:
         self, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """These blocks dequantized, [n, *block_shape] (the connector's block port)."""
-        blocks = self._read_blocks(torch.tensor(list(block_ids), device=self.device))
+        blocks = self._read_blocks(device_index(block_ids, self.device))
         if out is None:
             return blocks
         out.copy_(blocks)
@@ -371,7 +406,7 @@ class QuantizedKVPool:
 
     def _store_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Quantize whole blocks ([n, L, 2, H, bs, D]) into the pool."""
-        index = torch.tensor(block_ids, device=self.device)
+        index = device_index(block_ids, self.device)
         for name, part in self.encode(blocks).items():
             self.fields[name].index_copy_(0, index, part)
         for block_id in block_ids:
@@ -401,8 +436,11 @@ class QuantizedKVPool:
         self._free_slots.append(slot)
 
     def _sync_slots(self) -> None:
+        self._paste.clear()
         if self._slot_of_device is not self._slot_of:  # a copy on the accelerator
-            self._slot_of_device.copy_(self._slot_of)
+            # From a pinned snapshot, without blocking: a copy from pageable memory would
+            # synchronise the stream at every step that stages a block.
+            self._slot_of_device.copy_(self._slot_of.pin_memory(), non_blocking=True)
 
 
 class PackedBlockCodec:

@@ -1,11 +1,16 @@
 """Host DRAM tier: one preallocated byte pool cut into fixed-size slots.
 
-The pool is allocated once (pinned when CUDA is present, so device copies are DMA) and touched
-up front, so the budget is memory the process really holds and a put is one copy into slots
-already there: no allocation per chunk. A payload takes ceil(n / slot_bytes) slots, not
-necessarily adjacent; a fresh pool hands out adjacent slots and adjacent slots are copied as one
-run, so a chunk is usually one copy. Set `slot_bytes` to the engine's block bytes and a chunk of
-whole blocks wastes nothing.
+The pool is allocated once and touched up front, so the budget is memory the process really
+holds and a put is one copy into slots already there: no allocation per chunk. A payload takes
+ceil(n / slot_bytes) slots, not necessarily adjacent; a fresh pool hands out adjacent slots and
+adjacent slots are copied as one run, so a chunk is usually one copy. Set `slot_bytes` to the
+engine's block bytes and a chunk of whole blocks wastes nothing.
+
+On a CUDA machine (`pinned`) a get returns its bytes in pinned memory: that buffer is what a
+restore copies to the device, asynchronously only from pinned memory
+(`kvtier.engine.device_copy`), and it is the caller's, so the slots can be reused at once while
+the copy is in flight. The pool itself is pinned too, so a later zero-copy read of whole runs
+can hand its slots to the device directly.
 
 When the pool is full, `put` returns False and the store decides what to evict (its LRU);
 the tier has no eviction policy of its own. Host memory is trusted like device memory, so there
@@ -114,7 +119,9 @@ class HostTier(TierBackend):
                 return None
             nbytes = held.payload.nbytes
             if out is None:
-                dest = empty_bytes(nbytes)
+                # Pinned like the pool: these bytes are what a restore copies to the device,
+                # and only pinned ones go there asynchronously (kvtier.engine.device_copy).
+                dest = empty_bytes(nbytes, pin_memory=self.pinned)
             else:
                 check_out(out, nbytes)
                 dest = out[:nbytes]

@@ -121,15 +121,25 @@ class Mover:
                 self._workers.append((worker, jobs))
 
     def spill(
-        self, chunk: Chunk, payload: Payload, *, tier: str | None = None, form: str | None = None
+        self,
+        chunk: Chunk,
+        payload: Payload,
+        *,
+        tier: str | None = None,
+        form: str | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> Future[bool]:
-        """Queue a chunk for storing; the future says whether it was stored (never raises)."""
+        """Queue a chunk for storing; the future says whether it was stored (never raises).
+        `ready`, when given, runs on the worker before the bytes are read (it waits for the
+        copy that fills them, e.g. out of a GPU, without blocking the caller)."""
         store, attempts = self.store, self.attempts
-        return self._write(
-            "spill",
-            chunk.id,
-            lambda: store.put(chunk, payload, tier=tier, attempts=attempts, form=form),
-        )
+
+        def run() -> bool:
+            if ready is not None:
+                ready()
+            return store.put(chunk, payload, tier=tier, attempts=attempts, form=form)
+
+        return self._write("spill", chunk.id, run)
 
     def demote(self, chunk: bytes, to: str | None = None, form: str | None = None) -> Future[bool]:
         """Queue `store.demote(chunk, to, form)`; the future says whether the chunk moved."""

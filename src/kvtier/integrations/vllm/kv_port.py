@@ -7,9 +7,9 @@ K/V axis). The port finds that axis from the number of blocks, and moves whole b
 code sees the same kind of payload as with kvtier's own pool. Only the block ids vLLM gave
 are read or written.
 
-On CUDA the gather runs on the device and the payload comes back through one copy;
-restores copy host -> device with `non_blocking` (asynchronous where the host bytes are
-pinned).
+On CUDA the gather runs on the device and the payload comes back through one copy; the
+connector calls both on a side stream ordered by events (`kvtier.engine.device_copy`), so
+the copies to and from pinned host memory do not hold up vLLM's compute stream.
 """
 
 from __future__ import annotations
