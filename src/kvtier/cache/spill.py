@@ -94,7 +94,7 @@ class Spiller:
             else:
                 self.counters["spill_failures"] += 1  # dropped (queue full) or failed
 
-        c.writes.put(chunk, payload, None, done, c.form_of(ids))
+        c.put(chunk, payload, None, done, c.form_of(ids))
 
     def write_through_chunks(self, keys: Sequence[bytes], namespace: str) -> None:
         """Queue each full chunk of a finished request that no tier holds (nor is being
@@ -118,7 +118,7 @@ class Spiller:
                 else:
                     self.counters["write_through_failures"] += 1  # queue full, or failed
 
-            c.writes.put(chunk, payload, None, done, c.form_of(ids))
+            c.put(chunk, payload, None, done, c.form_of(ids))
 
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
         """Evict these keys' idle device blocks without spilling them (a policy decided)."""
