@@ -40,6 +40,7 @@ from kvtier.results.records import (
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine, RequestOutput
+    from kvtier.policy.metrics import Calibration
     from kvtier.workload.model import Request
 
 STORED_SOURCES = ("device", *STORE_TIERS)
@@ -72,6 +73,7 @@ class ReplayResult:
     trace_s: float  # trace seconds it covered (= wall_s + skipped_s)
     skipped_s: float  # idle trace time the replay clock jumped over
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    calibration: Calibration | None = None  # the policy's reuse predictions, scored
 
 
 @dataclass
