@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.cache.chunks import common_prefix
 from kvtier.clock import ReplayClock
 from kvtier.errors import KvtierError
 from kvtier.results.records import (
@@ -344,16 +345,6 @@ def history_sources(sources: Mapping[str, int], history_tokens: int) -> dict[str
     if missed:
         result["recomputed"] = missed
     return result
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _kind_without_engine(engine: Engine, request: Request, now: float) -> str:

@@ -125,7 +125,7 @@ class Chunks:
             return None
         self._runs[start] = live
         wanted = keys[first : first + longest]
-        shared, run = max((_common(wanted, run), run) for run in live)
+        shared, run = max((common_prefix(wanted, run), run) for run in live)
         return (Chunk(run, namespace), shared) if shared > covering - first else None
 
     def _live(self, runs: set[tuple[bytes, ...]]) -> set[tuple[bytes, ...]]:
@@ -168,8 +168,8 @@ class Chunks:
         return Payload.of(staging)
 
 
-def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """How many leading keys `a` and `b` share."""
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
