@@ -93,8 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--disk-path", metavar="DIR", help="disk tier folder")
     eng.add_argument(
         "--write-through",
-        action="store_true",
-        help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=("selective",),
+        metavar="selective",
+        help="copy each finished turn's full chunks to the top tier at once; `selective`: "
+        "only the chunks its prompt reused (docs/cache.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     batched = eng.add_argument(

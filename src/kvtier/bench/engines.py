@@ -24,7 +24,7 @@ def validate_policies(names: Sequence[str]) -> None:
 
 
 def tiers_config(
-    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool = False
+    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool | str = False
 ) -> TiersConfig | None:
     """The engine's tier settings (None: device only)."""
     if host_bytes <= 0 and disk_bytes <= 0:
