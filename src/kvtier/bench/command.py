@@ -196,7 +196,11 @@ def run(args: argparse.Namespace) -> int:
         "host_bytes": host_bytes,
         "disk_bytes": disk_bytes,
         "policy_set": args.policy_set,
-        "cost_profile": dataclasses.asdict(profile) | {"links": None},
+        # the measured prefill coefficients (the tier links are the cost model's defaults)
+        "cost_profile": {
+            name: getattr(profile, name)
+            for name in ("prefill_fixed_s", "prefill_token_s", "prefill_pair_s")
+        },
         "runs": {
             r.run.policy: {
                 "wall_s": round(r.wall_s, 3),
