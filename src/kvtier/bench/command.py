@@ -140,7 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.bench import engines
-    from kvtier.plan.units import parse_size
 
     if args.server:
         from kvtier.bench.server_run import run_server
@@ -150,9 +149,7 @@ def run(args: argparse.Namespace) -> int:
     names = _names(args.policies or (QUICK_POLICIES if args.quick else DEFAULT_POLICIES))
     engines.validate_policies(names)
     policy_config = _policy_config(args) if (args.policy_set or args.config) else None
-    kv_bytes = parse_size(
-        args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES)
-    )
+    kv_bytes = kv_cache_bytes(args)
     host_bytes = _size(args.host_bytes)
     disk_bytes = _size(args.disk_bytes)
     workload = load_workload(args)
@@ -322,6 +319,13 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    """The device pool the flags ask for (`--kv-cache-bytes`, else --quick's or the default)."""
+    from kvtier.plan.units import parse_size
+
+    return parse_size(args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES))
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
