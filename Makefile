@@ -52,6 +52,12 @@ demo: model
 	$(BIN)/kvtier plan --model seed-70b --context 8000,128000
 	$(BIN)/kvtier model generate --prompt "The capital of France is" --max-tokens 16
 	$(BIN)/kvtier bench --quick --out out/bench
+	@# the same requests projected to Llama-3.1-70B on 8 H100s (one TP-8 replica), its device
+	@# pool holding as many tokens (5.1K) as the bench's 112 MiB holds of SmolLM2
+	$(BIN)/kvtier simulate --workload demo --lengths-from out/bench/results.json \
+	    --model llama-3.1-70b --hardware h100-sxm --device-kv-bytes 1.67GB \
+	    --policies retain,offload,cost,oracle --no-plots --out out/bench-70b \
+	    --beside out/bench/results.json
 
 # Debian packages the tests use (the tests start their own servers on loopback ports):
 # redis-server for the remote tier, nginx for the replica routing test.

@@ -81,7 +81,8 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         "kvtier analyze tests/analyze/data/tiny_bailian.jsonl --trace-format bailian "
         "--model llama-3.1-8b --json out/a.json": Run(),
         "kvtier analyze --generate default --seed 1 --out out/analyze": Run(),
-        BENCH_QUICK: Run(("--policies", "retain,offload")),
+        # one policy: each replay prefills the demo's two ~4.2K-token histories (seconds each)
+        BENCH_QUICK: Run(("--policies", "offload")),
         "kvtier bench --workload default --sessions 4 --scale-to-context 2048 "
         "--policies offload,cost --kv-cache-bytes 64MiB": Run(
             ("--sessions", "1", "--policies", "offload", "--out", "out/bench-default")

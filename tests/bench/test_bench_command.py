@@ -67,7 +67,7 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     argv = [
         "bench",
         "--workload", str(trace),
-        "--policies", "retain",
+        "--policies", "retain,cost",
         "--kv-cache-bytes", "16MiB",
         "--no-progress",
         "--out", str(out),
@@ -98,6 +98,20 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     assert "<table>" in html and ".png" in html
     assert list(out.glob("*.png"))
     assert (out / "report.md").read_text().startswith("### Policies")
+    # the bill and the cost policy's calibration, as `kvtier simulate` reports them, and the
+    # verdict that ends the run
+    profile = document["config"]["cost_profile"]
+    assert profile["prefill_token_s"] > 0
+    for run in document["runs"]:
+        notes = document["config"]["runs"][run["policy"]]
+        assert notes["bill"]["prompt_tokens"] == run["summary"]["total_input_tokens"]
+        assert set(notes["bill"]["gb_hours"]) >= {"device", "host"}
+        assert f"{run['policy']}: bill: recompute" in printed
+    prediction = document["config"]["runs"]["cost"]["prediction"]
+    assert prediction["predictions"] > 0 and 0 <= prediction["brier"] <= 1
+    assert "retain" not in {k for k, v in document["config"]["runs"].items() if "prediction" in v}
+    verdict = printed[printed.index("### Verdict: this engine") :].splitlines()
+    assert [row.split("|")[1].strip() for row in verdict[4:6]] == ["retain", "cost"]
 
 
 def test_oracle_needs_tiers(capsys, tmp_path):

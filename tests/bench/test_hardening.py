@@ -184,16 +184,16 @@ def _readme_commands(command: str) -> list[list[str]]:
 def test_readme_bench_examples_fit_the_pool_they_name():
     """Each README `kvtier bench` line names a workload that passes the up-front check on the
     engine it configures (running them all is minutes: `kvtier bench` does that)."""
+    from kvtier.bench.command import kv_cache_bytes
     from kvtier.bench.command import load_workload as bench_workload
     from kvtier.engine import Engine, EngineConfig
-    from kvtier.plan.units import parse_size
 
     examples = _readme_commands("bench")
     assert len(examples) >= 3
     parser = cli.build_parser()
     for argv in examples:
         args = parser.parse_args(["bench", *argv])
-        engine = Engine(EngineConfig(kv_cache_bytes=parse_size(args.kv_cache_bytes)))
+        engine = Engine(EngineConfig(kv_cache_bytes=kv_cache_bytes(args)))
         try:
             check_fits(engine, flatten(bench_workload(args)), args.max_output_tokens)
         finally:

@@ -6,10 +6,11 @@ import pytest
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
+from kvtier.engine import SamplingParams
 from kvtier.policy.actions import Drop, Move
 from kvtier.policy.config import OffloadSection, PolicyConfig
 
-from .scenario import GREEDY, assert_no_leak, drain, make_turns, run_second
+from .scenario import GREEDY, assert_no_leak, drain, make_turns, reference, run_second
 
 pytestmark = pytest.mark.slow
 
@@ -159,4 +160,45 @@ def test_actions_move_chunks_down_only_and_drop_frees_every_tier(engine, tmp_pat
     assert set(session_tiers(connector)) == {None}
     assert connector.store.snapshot()["tiers"]["disk"]["chunks"] == 0
     assert runner.decisions["move"] == 4 and runner.decisions["drop"] == 1
+    assert_no_leak(engine)
+
+
+def test_a_moved_session_restores_the_prompt_its_next_turn_resends_without_the_answer(engine):
+    """A chat client resends the answer as text, which often tokenizes differently: the next
+    prompt shares the previous prompt's blocks, not the answer's. The chunk that holds the end
+    of the prompt and the start of the answer still serves the shared blocks from the tier
+    (as the device's prefix cache would), instead of their being recomputed."""
+    turns = make_turns(0)  # a 150-token prompt: 9 full blocks, the 10th block half answer
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "retain"
+    )
+    answer = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request(turns.first, answer, session_id="s1")
+    drain(engine)  # 173 tokens computed: 10 full blocks, chunks of 4, 4 and 2 blocks
+    connector.runner.execute(Move("s1", None, "host"))
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {"host"}
+    output, out = run_second(engine, turns, [])  # the answer is not resent as generated
+    sources = out.metrics.prompt_token_sources
+    shared = len(turns.first) // 16 * 16  # the prompt's full blocks: 144 tokens
+    assert sources["host"] == shared, sources
+    assert sources["recomputed"] == len(turns.second([])) - shared
+    assert_no_leak(engine)
+    attach_connector(engine, None)
+    assert output == reference(engine, turns, [])
+
+
+def test_the_view_counts_what_each_turn_added_to_the_context(engine):
+    """`TurnView.prompt_tokens` is what a turn added to the context (the simulator's
+    meaning, which the cost policy's demand forecast sums): a turn that resends the history
+    adds its new message and the previous reply, not its whole prompt again."""
+    turns = make_turns(0)
+    connector = attach_connector(engine, TiersConfig(host_bytes=64 * MIB), "cost")
+    rid = engine.add_request(turns.first, GREEDY, session_id="context")  # the engine's first
+    first = drain(engine)[rid]
+    run_second(engine, turns, first, session="context")
+    (session,) = [s for s in connector.runner.view().sessions if s.session_id == "context"]
+    second = len(turns.second(first))
+    assert [t.prompt_tokens for t in session.turns] == [len(turns.first), second - len(turns.first)]
+    assert sum(t.prompt_tokens for t in session.turns) == second
     assert_no_leak(engine)

@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
+from kvtier.errors import KvtierError
 from kvtier.policy.actions import Move
 from kvtier.tiers import Chunk
 
@@ -152,3 +153,32 @@ def test_forgotten_blocks_are_not_spilled_when_evicted(engine):
     assert connector.flush(timeout=30)
     assert connector.stats()["counters"]["evicted_unknown"] == len(keys)
     assert host_chunks(connector) == 0
+
+
+def test_selective_write_through_copies_only_what_a_prompt_reused(engine, expected):
+    """`write_through="selective"`: a first turn writes nothing (nothing of it was reused); the
+    next turn, whose prompt reused the first turn's two chunks from the device, writes those
+    two, and not the chunk its own new tokens filled (seen once so far)."""
+    base = aligned_turns()
+    r = random.Random(2)
+    turns = Turns(base.first, base.flood, [r.randrange(1000, 20000) for _ in range(60)])
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=CHUNK_TOKENS, write_through="selective")
+    connector = attach_connector(engine, tiers, "offload")
+    first = first_turn(engine, turns)
+    assert first == expected[0]
+    assert connector.flush(timeout=30)
+    assert host_chunks(connector) == 0
+    second, _ = run_second(engine, turns, first)
+    assert connector.flush(timeout=30)
+    chunks = session_chunks(connector)  # 121 + 8 + 60 prompt tokens, 8 generated: 3 chunks
+    assert len(chunks) == 3 and all(len(c.keys) == 4 for c in chunks)
+    assert [connector.locate(c.id) for c in chunks] == ["host", "host", None]
+    assert connector.stats()["counters"]["written_through_chunks"] == 2
+    assert_no_leak(engine)
+    attach_connector(engine, None)
+    assert second == reference(engine, turns, first)
+
+
+def test_write_through_takes_true_false_or_selective():
+    with pytest.raises(KvtierError, match="true, false or 'selective'"):
+        TiersConfig(write_through="some")

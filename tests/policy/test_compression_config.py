@@ -112,8 +112,8 @@ def test_bench_resolves_auto_from_its_workload_and_pool(toml, capsys, model_dir)
         dtype="bfloat16",
         resume_after=30.0,
     )
-    workload = generate("demo", seed=0)
-    compression, note = _compression(args, workload, 24 << 20)
+    workload = generate("quick", seed=0)  # short chats
+    compression, note = _compression(args, workload, 64 << 20)
     assert note["auto"]["preset"] == "multi_turn_chat"
     assert compression == parse_method("multi_turn_chat")
     assert note["pipeline"] == compression.model_dump()

@@ -52,3 +52,41 @@ def test_a_run_is_billed_for_recompute_and_for_what_each_tier_held():
     assert money.session_hours == pytest.approx(1.5)  # a: 0 to 3600 s, b: 0 to 1800 s
     assert money.per_million_prompt_tokens == pytest.approx(money.dollars / 3000 * 1e6)
     assert money.per_session_hour == pytest.approx(money.dollars / 1.5)
+
+
+def test_the_verdict_puts_a_measured_run_beside_its_projection():
+    """money_notes writes the bill where the verdict reads it; the verdict has a row per
+    policy, and side by side two (measured, projected) for the policies both ran."""
+    from kvtier.policy.config import PolicyConfig
+    from kvtier.results.bill import money_notes
+    from kvtier.results.report import to_document
+    from kvtier.results.verdict import side_by_side, verdict
+
+    def document(policies, token_s):
+        runs = [
+            RunRecords(
+                name, 3600.0, [_request("a", 0, 0.0, 1.0, 0), _request("a", 1, 60.0, 61.0, n)]
+            )
+            for name, n in policies
+        ]
+        for run in runs:
+            for record in run.requests:
+                record.first_token_s = record.arrival_s + 0.5
+        notes = {run.policy: {} for run in runs}
+        profile = CostProfile(prefill_fixed_s=0.0, prefill_token_s=token_s, prefill_pair_s=0.0)
+        for run in runs:
+            lines = money_notes(notes[run.policy], run, profile, PolicyConfig(), None)
+            assert lines[0].startswith(f"{run.policy}: bill: recompute")
+        return to_document("bench", {"runs": notes}, runs)
+
+    measured = document([("retain", 4000), ("offload", 0)], 1e-3)
+    projected = document([("offload", 0), ("retain", 4000), ("oracle", 0)], 1e-5)
+    _, header, rows = verdict(measured, "here")
+    assert [row[0] for row in rows] == ["retain", "offload"]
+    assert rows[0][header.index("recomputed tok")] == "4,000"
+    assert rows[0][header.index("recompute s")] == "4.0"  # 4,000 tokens at 1 ms
+    _, header, rows = side_by_side(measured, projected, ("here", "70B"))
+    assert [row[:2] for row in rows] == [
+        ["retain", "here"], ["", "70B"], ["offload", "here"], ["", "70B"]
+    ]  # fmt: skip
+    assert rows[1][header.index("recompute s")] == "0.0"  # 4,000 tokens at 10 µs: 0.04 s

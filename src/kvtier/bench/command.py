@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -31,8 +32,13 @@ if TYPE_CHECKING:
     from kvtier.workload.model import Workload
 
 DEFAULT_POLICIES = "retain,recompute,offload,cost,oracle"
+# --quick leaves out `recompute`: like `retain` there, it recomputes every resumed history
+# (seconds each on a CPU), which would add a minute to `make demo` and nothing to its verdict
+QUICK_POLICIES = "retain,offload,cost,oracle"
 DEFAULT_OUT = "out/bench"
 DEFAULT_KV_BYTES = "64MiB"
+# --quick: the demo's two ~4.3K-token histories do not both fit (5.1K tokens of SmolLM2)
+QUICK_KV_BYTES = "112MiB"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the demo workload (preset `demo`: 10 sessions, short answers), 1 thread",
+        help="the demo workload (preset `demo`: 2 sessions with ~4K-token histories), 1 thread",
     )
     work = add_workload_arguments(parser, default="quick")
     scale = work.add_argument(
@@ -58,7 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay N sessions, those with resumed turns first (docs/bench.md)",
     )
     pol = parser.add_argument_group("policies")
-    pol.add_argument("--policies", default=None, help=f"comma-separated ({DEFAULT_POLICIES})")
+    pol.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated ({DEFAULT_POLICIES}; with --quick {QUICK_POLICIES})",
+    )
     pol.add_argument(
         "--policy-set",
         metavar="KEY=VALUE",
@@ -75,17 +85,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     eng.add_argument(
         "--kv-cache-bytes",
-        default=DEFAULT_KV_BYTES,
         metavar="SIZE",
-        help=f"device KV pool; small so idle sessions compete for it ({DEFAULT_KV_BYTES})",
+        help="device KV pool; small so idle sessions compete for it "
+        f"({DEFAULT_KV_BYTES}; {QUICK_KV_BYTES} with --quick)",
     )
     eng.add_argument("--host-bytes", default="1GiB", metavar="SIZE", help="host tier (1GiB)")
     eng.add_argument("--disk-bytes", default="0", metavar="SIZE", help="disk tier (0: none)")
     eng.add_argument("--disk-path", metavar="DIR", help="disk tier folder")
     eng.add_argument(
         "--write-through",
-        action="store_true",
-        help="copy each finished turn's full chunks to the top tier at once (docs/cache.md)",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=("selective",),
+        metavar="selective",
+        help="copy each finished turn's full chunks to the top tier at once; `selective`: "
+        "only the chunks its prompt reused (docs/cache.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     batched = eng.add_argument(
@@ -126,17 +141,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.bench import engines
-    from kvtier.plan.units import parse_size
 
     if args.server:
         from kvtier.bench.server_run import run_server
 
         return run_server(args)
     started = time.perf_counter()
-    names = _names(args.policies or DEFAULT_POLICIES)
+    names = _names(args.policies or (QUICK_POLICIES if args.quick else DEFAULT_POLICIES))
     engines.validate_policies(names)
     policy_config = _policy_config(args) if (args.policy_set or args.config) else None
-    kv_bytes = parse_size(args.kv_cache_bytes)
+    kv_bytes = kv_cache_bytes(args)
     host_bytes = _size(args.host_bytes)
     disk_bytes = _size(args.disk_bytes)
     workload = load_workload(args)
@@ -161,13 +175,15 @@ def run(args: argparse.Namespace) -> int:
     tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path, args.write_through)
     compression, compression_note = _compression(args, workload, kv_bytes)
     base["compression"] = compression
-    results = []
-    for name in names:
-        check = not results  # the first engine checks that the workload fits (bench/fit.py)
-        results.append(_run_policy(args, name, base, tiers, policy_config, requests, check))
+    profile = engines.check_and_measure(base, requests, args.max_output_tokens)
+    if tiers is not None:  # the policies and the restore planner price this engine's prefills
+        tiers = dataclasses.replace(tiers, cost_profile=profile)
+    results = [_run_policy(args, name, base, tiers, policy_config, requests) for name in names]
     runs = [r.run for r in results]
 
+    from kvtier.results.bill import money_notes
     from kvtier.results.report import markdown, to_document, write_html, write_results
+    from kvtier.results.verdict import render, verdict
 
     config = {
         "workload": describe_workload(workload, args),
@@ -179,6 +195,11 @@ def run(args: argparse.Namespace) -> int:
         "host_bytes": host_bytes,
         "disk_bytes": disk_bytes,
         "policy_set": args.policy_set,
+        # the measured prefill coefficients (the tier links are the cost model's defaults)
+        "cost_profile": {
+            name: getattr(profile, name)
+            for name in ("prefill_fixed_s", "prefill_token_s", "prefill_pair_s")
+        },
         "runs": {
             r.run.policy: {
                 "wall_s": round(r.wall_s, 3),
@@ -189,6 +210,16 @@ def run(args: argparse.Namespace) -> int:
             for r in results
         },
     }
+    lines = []
+    for r in results:
+        # the bill and the reuse predictions' calibration, as `kvtier simulate` reports them
+        lines += money_notes(
+            config["runs"][r.run.policy],
+            r.run,
+            profile,
+            _named_config(policy_config, r.run.policy),
+            r.calibration,
+        )
     document = to_document("bench", config, runs)
     document["command"] = "kvtier bench " + " ".join(shlex.quote(a) for a in _argv())
     out = Path(args.out)
@@ -204,8 +235,10 @@ def run(args: argparse.Namespace) -> int:
         forms = _forms_line(r.engine_stats.get("tiers") or {})
         if forms:
             print(f"{r.run.policy}: stored forms: {forms}")
+    print("\n".join(lines))
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
     _warn_without_resumed(runs, args.resume_after)
+    print("\n" + render(verdict(document, "Verdict: this engine")))
     return 0
 
 
@@ -243,21 +276,22 @@ def _warn_without_resumed(runs: Sequence[RunRecords], resume_after_s: float) -> 
         )
 
 
-def _run_policy(args, name, base, tiers, policy_config, requests, check_fit):
+def _run_policy(args, name, base, tiers, policy_config, requests):
     from kvtier.bench import engines
-    from kvtier.bench.fit import check_fits
     from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
+    from kvtier.policy.metrics import Calibration
 
     arrivals = next_arrivals(requests)
     clock = BenchClock()
     engine = engines.build(base, name, tiers, arrivals, policy_config, clock)
+    calibration = Calibration()
+    connector = getattr(engine, "connector", None)
+    scored = connector is not None and calibration.score(connector.runner.policy)
     try:
-        if check_fit:
-            check_fits(engine, requests, args.max_output_tokens)
         warm_up(engine)
         clock.restart()
         with _progress(name, len(requests), args.no_progress) as advance:
-            return replay(
+            result = replay(
                 engine,
                 requests,
                 clock,
@@ -268,6 +302,16 @@ def _run_policy(args, name, base, tiers, policy_config, requests, check_fit):
             )
     finally:
         engine.close()
+    result.calibration = calibration if scored and calibration.resolved else None
+    return result
+
+
+def _named_config(policy_config: Any, name: str) -> Any:
+    """The [policy] settings a run was priced with (its [policy.cost] prices)."""
+    from kvtier.policy.config import PolicyConfig
+
+    config = policy_config or PolicyConfig()
+    return config.model_copy(update={"name": name})
 
 
 class _progress:
@@ -303,6 +347,13 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    """The device pool the flags ask for (`--kv-cache-bytes`, else --quick's or the default)."""
+    from kvtier.plan.units import parse_size
+
+    return parse_size(args.kv_cache_bytes or (QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES))
 
 
 def load_workload(args: argparse.Namespace) -> Workload:

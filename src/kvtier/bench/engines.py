@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from kvtier.cache.config import TiersConfig
     from kvtier.clock import Clock
     from kvtier.engine.engine import Engine
+    from kvtier.policy.cost_model import CostProfile
+    from kvtier.workload.model import Request
 
 
 def validate_policies(names: Sequence[str]) -> None:
@@ -22,7 +24,7 @@ def validate_policies(names: Sequence[str]) -> None:
 
 
 def tiers_config(
-    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool = False
+    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool | str = False
 ) -> TiersConfig | None:
     """The engine's tier settings (None: device only)."""
     if host_bytes <= 0 and disk_bytes <= 0:
@@ -60,3 +62,21 @@ def build(
         chosen = OraclePolicy(arrivals)
     cache = None if tiers is None else CacheConfig(tiers, chosen, policy_config)
     return build_engine(EngineConfig(**base), cache, clock)
+
+
+def check_and_measure(
+    base: Mapping[str, Any], requests: Sequence[Request], max_output_tokens: int | None
+) -> CostProfile:
+    """On an engine of the run's settings without tiers: check that every request fits
+    (`fit.py`, before any policy runs), then measure what its prefills cost (`profile.py`)."""
+    from kvtier.bench.fit import check_fits
+    from kvtier.bench.profile import measure_profile
+    from kvtier.cache.setup import build_engine
+    from kvtier.engine.config import EngineConfig
+
+    engine = build_engine(EngineConfig(**base))
+    try:
+        check_fits(engine, requests, max_output_tokens)
+        return measure_profile(engine)
+    finally:
+        engine.close()

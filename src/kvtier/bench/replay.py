@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.cache.chunks import common_prefix
 from kvtier.clock import ReplayClock
 from kvtier.errors import KvtierError
 from kvtier.results.records import (
@@ -40,6 +41,7 @@ from kvtier.results.records import (
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine, RequestOutput
+    from kvtier.policy.metrics import Calibration
     from kvtier.workload.model import Request
 
 STORED_SOURCES = ("device", *STORE_TIERS)
@@ -72,6 +74,7 @@ class ReplayResult:
     trace_s: float  # trace seconds it covered (= wall_s + skipped_s)
     skipped_s: float  # idle trace time the replay clock jumped over
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    calibration: Calibration | None = None  # the policy's reuse predictions, scored
 
 
 @dataclass
@@ -342,16 +345,6 @@ def history_sources(sources: Mapping[str, int], history_tokens: int) -> dict[str
     if missed:
         result["recomputed"] = missed
     return result
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _kind_without_engine(engine: Engine, request: Request, now: float) -> str:

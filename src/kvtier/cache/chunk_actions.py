@@ -117,7 +117,7 @@ class ConnectorChunks:
                 name = f"policy_moved_bytes_device->{tier}" if ok else "spill_failures"
                 c.counters[name] += nbytes if ok else 1
 
-            c.writes.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)), ready=ready)
+            c.chunks.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)), ready=ready)
         elif where != tier:
             refused = self._demote(chunk, tier, form)
         c.drop_device_blocks(

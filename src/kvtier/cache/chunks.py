@@ -5,6 +5,14 @@ first block, named by its blocks' keys and the tenant namespace (`kvtier.tiers.C
 either on the device (its blocks cached in the pool), stored in one tier, or being written
 (its bytes staged in host memory until the mover's worker lands them). Restore, spill and the
 policy runner all ask this one place, so they agree on what "stored" means.
+
+A stored chunk also serves a later prompt that shares only a prefix of its blocks, as the
+device's prefix cache serves any shared run of blocks: a finished turn's last chunk holds the
+start of its answer, and the next prompt often resends that answer as text that tokenizes
+differently (or not at all), so it shares the chunk's prompt blocks and not the rest. Block
+keys are chained (each hashes its parent), so a stored run that starts with the prompt's key
+at a grid position shares exactly its common prefix with the prompt; `put` remembers each
+run this process writes by its first key (`find_stored` looks there).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ class Chunks:
         self.store = store
         self.writes = writes
         self.tier_forms = tier_forms  # tier -> its form, when not full
+        # (first key, namespace) -> the key runs of chunks written from here that start
+        # with it; entries whose chunk has left every tier are dropped when met
+        self._runs: dict[tuple[bytes, str], set[tuple[bytes, ...]]] = {}
 
     @staticmethod
     def namespace_of(request: Request) -> str:
@@ -50,6 +61,24 @@ class Chunks:
     def chunk_keys(self, keys: Sequence[bytes]) -> list[tuple[bytes, ...]]:
         k = self.blocks_per_chunk
         return [tuple(keys[i : i + k]) for i in range(0, len(keys), k)]
+
+    def put(
+        self,
+        chunk: Chunk,
+        payload: Payload,
+        tier: str | None,
+        on_done: Callable[[bool], None],
+        form: str = FULL,
+        ready: Callable[[], None] | None = None,
+    ) -> None:
+        """Write `chunk` in the background (`BackgroundWrites.put`), remembering its run of
+        keys so that a prompt sharing only a prefix of it finds it too."""
+        self.writes.put(chunk, payload, tier, on_done, form, ready=ready)
+        if len(self._runs) > 2 * len(self.store) + 64:  # bounded by what is stored
+            self._runs = {
+                start: live for start, runs in self._runs.items() if (live := self._live(runs))
+            }
+        self._runs.setdefault((chunk.keys[0], chunk.namespace), set()).add(chunk.keys)
 
     def locate(self, chunk_id: bytes) -> str | None:
         """The tier a chunk is in, or being written to; None when it is not (or is being
@@ -74,19 +103,37 @@ class Chunks:
 
     def find_stored(
         self, keys: Sequence[bytes], chunk_index: int, namespace: str, covering: int
-    ) -> Chunk | None:
-        """The longest stored chunk on the grid at `chunk_index` that covers block `covering`.
+    ) -> tuple[Chunk, int] | None:
+        """The stored chunk on the grid at `chunk_index` that shares the most blocks with
+        `keys` there, covering block `covering`, and how many it shares (its leading blocks).
 
         A chunk stored by an earlier, shorter turn holds fewer keys than the grid allows, so
-        lengths are tried from the longest down."""
+        lengths are tried from the longest down; then the runs written from here that go on
+        beyond what `keys` share (a turn's answer the next prompt does not resend as it was)."""
         k = self.blocks_per_chunk
         first = chunk_index * k
         longest = min(k, len(keys) - first)
         for length in range(longest, covering - first, -1):
             chunk = Chunk(tuple(keys[first : first + length]), namespace)
             if self.locate(chunk.id) is not None:
-                return chunk
-        return None
+                return chunk, length
+        start = (keys[first], namespace) if longest > 0 else None
+        runs = self._runs.get(start) if start is not None else None
+        if not runs:
+            return None
+        live = self._live(runs)
+        if not live:
+            del self._runs[start]
+            return None
+        self._runs[start] = live
+        wanted = keys[first : first + longest]
+        shared, run = max((common_prefix(wanted, run), run) for run in live)
+        return (Chunk(run, namespace), shared) if shared > covering - first else None
+
+    def _live(self, runs: set[tuple[bytes, ...]]) -> set[tuple[bytes, ...]]:
+        """Those of `runs` whose chunk is still stored (or being written); a chunk's id
+        is its keys' hash (the namespace is in the keys)."""
+        return {run for run in runs if self.locate(Chunk(run).id) is not None}
 
     def cached_run(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, name blocks cached on the device."""
@@ -118,3 +165,13 @@ class Chunks:
         """Fill these device blocks from `blocks` [n, *block_shape]; the next forward sees
         them (on CUDA the copy is queued on a side stream the compute stream waits for)."""
         self.copy.load(self.port, block_ids, blocks)
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
 
 RestoreMode = Literal["load", "plan", "recompute"]
+WriteThrough = bool | Literal["selective"]
 Integrity = Literal["mac", "encrypt", "none"]
 
 TIER_NAMES = LOWER_TIERS  # top first
@@ -36,7 +37,12 @@ class TiersConfig:
     LMCache does by default and SGLang HiCache's `write_through` policy; only where eviction
     spills (`spill_on_evict`). A later eviction or policy move of such a chunk then frees its
     device blocks with no copy; the price is the bytes written for every finished turn, also
-    for sessions that never come back or stay on device until they do.
+    for sessions that never come back or stay on device until they do. `"selective"` copies
+    only the chunks a request reused (its prompt found them on the device or in a tier, so
+    they were computed for an earlier request: seen twice, as Dynamo's KVBM offloads to disk
+    only blocks seen twice and SGLang HiCache's `write_through_selective` counts hits): a
+    conversation's history is written once it has come back, and one that never returns
+    writes nothing.
     `swap_on_preempt`: a request preempted for lack of blocks has its computed blocks spilled
     when the pool reuses them (swap-out), and restored at re-admission, instead of recomputed.
     Spills and writes down the cascade run on background workers: `spill_queue` bounds the
@@ -71,7 +77,7 @@ class TiersConfig:
     restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
     prefetch: bool = True  # start loads when a request is queued
     spill_on_evict: bool | None = None
-    write_through: bool = False
+    write_through: WriteThrough = False
     swap_on_preempt: bool = True
     spill_queue: int = 16
     retries: int = 2
@@ -98,6 +104,11 @@ class TiersConfig:
                 raise KvtierError(f"tiers.{name} must be an integer >= 0, got {value!r}")
         if self.spill_queue < 1:
             raise KvtierError("tiers.spill_queue must be >= 1")
+        if not (isinstance(self.write_through, bool) or self.write_through == "selective"):
+            raise KvtierError(
+                f"tiers.write_through must be true, false or 'selective', got "
+                f"{self.write_through!r}"
+            )
         if self.restore not in ("load", "plan", "recompute"):
             raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
         if not self.restore_deadline_s >= 0:

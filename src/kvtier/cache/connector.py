@@ -194,7 +194,10 @@ class TieredConnector:
         keys = self.spiller.remember(request, swap=False)
         namespace = self.chunks.namespace_of(request)
         if self.spiller.write_through:
-            self.spiller.write_through_chunks(keys, namespace)
+            reused = None
+            if self.spiller.selective:  # the prompt's blocks found computed: seen twice
+                reused = (request.num_cached_tokens or 0) // self.block_size
+            self.spiller.write_through_chunks(keys, namespace, reused)
         if keys and request.session_id is not None:
             self.runner.remember_session(request.session_id, tuple(keys), namespace)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.cache.chunk_actions import ConnectorChunks, SessionKeys
@@ -36,6 +36,7 @@ from kvtier.tiers.vocab import DEVICE, FULL
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector
+    from kvtier.engine.sessions import TurnRecord
     from kvtier.policy.actions import Action
     from kvtier.policy.base import RetentionPolicy
 
@@ -167,9 +168,7 @@ class PolicyRunner:
                 SessionView(
                     session_id=session_id,
                     tenant=stored.namespace if stored else "default",
-                    turns=tuple(
-                        TurnView(t.started_at, t.num_prompt_tokens, t.ended_at) for t in turns
-                    ),
+                    turns=_turn_views(turns),
                     chunks=chunks,
                     active=active,
                     idle_since=None if active else last.ended_at,
@@ -208,3 +207,18 @@ class PolicyRunner:
             for chunk in self.connector.chunk_keys(stored.keys):
                 self.chunks.drop_keys(chunk, stored.namespace, holders=0)
             self.decisions["forgotten"] += 1
+
+
+def _turn_views(turns: Sequence[TurnRecord]) -> tuple[TurnView, ...]:
+    """The view's turns, each with the tokens it added to the session's context, as the
+    contract defines `TurnView.prompt_tokens` (the simulator's too). The engine knows each
+    turn's whole prompt, which resends the history: turn k added its prompt minus turn k-1's
+    (the new message and turn k-1's reply, which the engine sees once it is resent), so the
+    turns sum to the latest prompt. Counting whole prompts made a session's k-th turn look
+    k times its context to the cost policy's demand forecast, which then demoted idle KV
+    from a device that had room for it."""
+    views, before = [], 0
+    for t in turns:
+        views.append(TurnView(t.started_at, max(0, t.num_prompt_tokens - before), t.ended_at))
+        before = t.num_prompt_tokens
+    return tuple(views)

@@ -319,7 +319,8 @@ class Restorer:
         pos = start
         while pos < max_blocks:
             grid_end = min((pos // k + 1) * k, max_blocks)
-            chunk = self.chunks.find_stored(keys, pos // k, namespace, pos) if stored else None
+            hit = self.chunks.find_stored(keys, pos // k, namespace, pos) if stored else None
+            chunk, shared = hit if hit is not None else (None, 0)
             cached = 0 if chunk is not None else self.chunks.cached_run(keys[pos:grid_end])
             if cached:
                 runs.append((pos, pos + cached, DEVICE))
@@ -328,12 +329,12 @@ class Restorer:
                     runs.append((pos + cached, grid_end, None))
                 pos = grid_end
                 continue
-            end = grid_end if chunk is None else min((pos // k) * k + len(chunk.keys), grid_end)
+            end = grid_end if chunk is None else min((pos // k) * k + shared, grid_end)
             runs.append((pos, end, None if chunk is None else self.chunks.locate(chunk.id)))
             if chunk is not None:
                 found.append(Load(chunk, pos, end))
                 if end < grid_end:
-                    runs.append((end, grid_end, None))  # a short chunk: the rest is a hole
+                    runs.append((end, grid_end, None))  # a short or diverging chunk: a hole
             pos = grid_end
         if for_prefetch:
             found = [load for load in found if load.chunk is not None]

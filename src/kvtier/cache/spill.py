@@ -10,7 +10,7 @@
 - `remember`: a finished (or preempted) request's computed full blocks are mapped to their
   chunks, so an eviction knows which chunk a block belongs to.
 - `write_through`: a finished request's full chunks no tier holds are gathered and queued now,
-  so evicting them later costs no copy.
+  so evicting them later costs no copy ("selective": only those its prompt reused).
 - `drop_device_blocks`: a policy's eviction of idle blocks, not spilled.
 - `forget`: an engine that never reports evictions (vLLM frees its blocks without telling a
   connector) drops the mapping `remember` made, so it does not grow without bound.
@@ -37,11 +37,16 @@ class _ChunkOf(NamedTuple):
 
 class Spiller:
     def __init__(
-        self, chunks: Chunks, spill_on_evict: bool, write_through: bool, counters: Counter[str]
+        self,
+        chunks: Chunks,
+        spill_on_evict: bool,
+        write_through: bool | str,
+        counters: Counter[str],
     ) -> None:
         self.chunks = chunks
         self.spill_on_evict = spill_on_evict
-        self.write_through = write_through and spill_on_evict
+        self.write_through = bool(write_through) and spill_on_evict
+        self.selective = write_through == "selective"
         self.counters = counters
         # block key -> its chunk in the latest finished (or preempted) sequence
         self._chunk_of: dict[bytes, _ChunkOf] = {}
@@ -94,15 +99,22 @@ class Spiller:
             else:
                 self.counters["spill_failures"] += 1  # dropped (queue full) or failed
 
-        c.writes.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
+        c.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
 
-    def write_through_chunks(self, keys: Sequence[bytes], namespace: str) -> None:
+    def write_through_chunks(
+        self, keys: Sequence[bytes], namespace: str, reused_blocks: int | None = None
+    ) -> None:
         """Queue each full chunk of a finished request that no tier holds (nor is being
         written) for the top tier, its device blocks staying cached. The partial tail chunk
         is left: the next turn extends it into a chunk with another id. A chunk restored from
-        a tier this turn is found there and not written again."""
+        a tier this turn is found there and not written again. With `reused_blocks` (the
+        selective mode), only chunks within the request's first `reused_blocks` blocks: those
+        its prompt found computed already."""
         c = self.chunks
-        for chunk_keys in c.chunk_keys(keys):
+        chunks = c.chunk_keys(keys)
+        if reused_blocks is not None:
+            chunks = chunks[: reused_blocks // c.blocks_per_chunk]
+        for chunk_keys in chunks:
             chunk = Chunk(chunk_keys, namespace)
             if len(chunk_keys) < c.blocks_per_chunk or c.locate(chunk.id) is not None:
                 continue
@@ -118,7 +130,7 @@ class Spiller:
                 else:
                     self.counters["write_through_failures"] += 1  # queue full, or failed
 
-            c.writes.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
+            c.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
 
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
         """Evict these keys' idle device blocks without spilling them (a policy decided)."""

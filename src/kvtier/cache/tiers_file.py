@@ -15,7 +15,7 @@ master key comes from a file::
     encrypt_key_file = "/etc/kvtier/master.key"
     create_key = true              # write a fresh key there on first start (mode 0600)
     chunk_tokens = 256
-    write_through = false
+    write_through = false          # true: every finished turn's chunks; "selective": reused ones
 
 Without `host_bytes` the host tier is sized from the machine (`default_host_bytes`); the disk
 and remote tiers are off unless a directory or URL is given. Errors name the key and where

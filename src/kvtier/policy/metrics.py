@@ -109,6 +109,15 @@ class Calibration:
         self._sum_p = [0.0] * self.bins
         self._sum_hit = [0] * self.bins
 
+    def score(self, policy: object) -> bool:
+        """Record `policy`'s reuse predictions here if it makes any (a `calibration`
+        attribute) and nobody scores them yet; whether it does (the simulator and the
+        benchmark report the score)."""
+        if getattr(policy, "calibration", False) is not None:
+            return False
+        policy.calibration = self  # type: ignore[attr-defined]
+        return True
+
     def predict(self, session_id: str, made_at: float, horizon_s: float, p: float) -> None:
         if self._pending_total >= self.max_pending:
             oldest = min(self._pending, key=lambda s: self._pending[s][0][0])

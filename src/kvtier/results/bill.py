@@ -14,12 +14,14 @@ not kept, and the memory each tier held, priced at `[policy.cost]`'s dollars.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import Any
 
-from kvtier.policy.cost_model import GB, CostModel
+from kvtier.policy.config import PolicyConfig
+from kvtier.policy.cost_model import DEFAULT_DOLLARS_PER_GB_HOUR, GB, CostModel, CostProfile
+from kvtier.policy.metrics import Calibration
 from kvtier.results.records import RunRecords
 
 
@@ -90,6 +92,43 @@ def bill(
         prompt_tokens=sum(r.prompt_tokens for r in run.requests if not r.failed),
         session_hours=sum(last - first for first, last in spans.values()) / 3600,
     )
+
+
+def priced(
+    run: RunRecords, profile: CostProfile, config: PolicyConfig, gpus_per_replica: int = 1
+) -> Bill:
+    """`bill` at `config`'s `[policy.cost]` prices, recompute timed by `profile` (the
+    simulator's hardware model, or the engine's measured prefill costs in `kvtier bench`)."""
+    dollars = {**DEFAULT_DOLLARS_PER_GB_HOUR, **config.cost.dollars_per_gb_hour}
+    return bill(
+        run,
+        config.cost_model(profile),
+        gpus_per_replica,
+        config.cost.gpu_dollars_per_hour,
+        dollars,
+    )
+
+
+def money_notes(
+    notes: MutableMapping[str, Any],
+    run: RunRecords,
+    profile: CostProfile,
+    config: PolicyConfig,
+    calibration: Calibration | None,
+    gpus_per_replica: int = 1,
+) -> list[str]:
+    """The run's bill (`priced`) and, when its policy predicts reuse, how well calibrated
+    the predictions were: written into `notes` (the run's entry in a results file's
+    `config.runs`: `bill`, `prediction`) and returned as console lines. `kvtier simulate`
+    and `kvtier bench` both report them so."""
+    money = priced(run, profile, config, gpus_per_replica)
+    notes["bill"] = money.to_dict()
+    lines = [f"{run.policy}: bill: {money.line()}"]
+    if calibration is not None:
+        # how well the policy's P(return within its horizon) matched what happened
+        lines.append(f"{run.policy}: reuse predictions: {calibration.line()}")
+        notes["prediction"] = calibration.summary()
+    return lines
 
 
 def _gb_hours(run: RunRecords) -> dict[str, float]:

@@ -155,13 +155,16 @@ def _failures(runs: Sequence[Mapping[str, Any]]) -> Table | None:
 
 
 def markdown(document: Mapping[str, Any]) -> str:
-    parts = []
-    for title, header, rows in tables(document):
-        lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
-        lines.append("|" + "|".join("---" for _ in header) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(markdown_table(table) for table in tables(document)) + "\n"
+
+
+def markdown_table(table: Table) -> str:
+    """One table as Markdown, under its title."""
+    title, header, rows = table
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def write_html(

@@ -47,9 +47,12 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--write-through",
-        action="store_const",
+        nargs="?",
         const=True,
-        help="copy each finished turn's chunks to the top tier at once (replicas: see docs)",
+        choices=("selective",),
+        metavar="selective",
+        help="copy each finished turn's chunks to the top tier at once; `selective`: only "
+        "the chunks its prompt reused (replicas: see docs)",
     )
     group.add_argument(
         "--tiers-set",

@@ -153,6 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="results.json of a `kvtier bench` run: compare with it, set up like it",
     )
     out.add_argument(
+        "--beside",
+        metavar="PATH",
+        help="end with a verdict of this run beside a `kvtier bench` run's (its results.json)",
+    )
+    out.add_argument(
         "--lengths-from",
         metavar="PATH",
         help="replay the prompt/output lengths a bench run recorded (its results.json; "
@@ -167,9 +172,17 @@ def run(args: argparse.Namespace) -> int:
     measured = _settle(args)
     if args.action == "sweep":
         return _sweep(args)
-    from kvtier.results.report import markdown, to_document, write_html, write_results
+    from kvtier.results.bill import money_notes
+    from kvtier.results.report import (
+        markdown,
+        read_results,
+        to_document,
+        write_html,
+        write_results,
+    )
     from kvtier.sim.console import load_of, run_note, run_warnings, setup_lines
     from kvtier.sim.simulator import simulate
+    from kvtier.sim.step_model import StepModel
 
     requests = _requests(args)
     histories = None
@@ -196,16 +209,18 @@ def run(args: argparse.Namespace) -> int:
         )
         load = load_of(result.run, requests, deployment)
         notes[name] = run_note(result.run, load)
-        money = _bill(result.run, deployment, _policy_config(args, name))
-        print(f"{name}: bill: {money.line()}")
-        notes[name]["bill"] = money.to_dict()
+        for line in money_notes(
+            notes[name],
+            result.run,
+            StepModel(deployment.profile, deployment.geometry, deployment.tp).cost_profile(),
+            _policy_config(args, name),
+            result.calibration,
+            deployment.tp,
+        ):
+            print(line)
         if result.forms.get("codec_s"):
             print(f"{name}: stored forms: {_forms_line(result.forms)}")
             notes[name]["forms"] = result.forms
-        if result.calibration is not None:
-            # how well the policy's P(return within its horizon) matched what happened
-            print(f"{name}: reuse predictions: {result.calibration.line()}")
-            notes[name]["prediction"] = result.calibration.summary()
         warnings += run_warnings(result.run, load)
     config = {
         "workload": args.workload,
@@ -227,6 +242,11 @@ def run(args: argparse.Namespace) -> int:
     if measured is not None:
         written.append(_validate(document, measured, args.against, out))
     print("wrote " + ", ".join(str(p) for p in written))
+    if args.beside:
+        from kvtier.results.verdict import render, side_by_side
+
+        labels = ("measured here", f"{args.model} on {args.hardware}, simulated")
+        print("\n" + render(side_by_side(read_results(args.beside), document, labels)))
     return 0
 
 
@@ -355,23 +375,6 @@ def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
         settings.append(f"accuracy_file={json.dumps(args.accuracy_file)}")
     config = load_config(path, env=os.environ, settings=settings, policy=name)
     return config.for_model(args.model)
-
-
-def _bill(run: Any, deployment: Deployment, config: PolicyConfig) -> Any:
-    """The run's recompute and holding in money, at `[policy.cost]`'s prices."""
-    from kvtier.policy.cost_model import DEFAULT_DOLLARS_PER_GB_HOUR
-    from kvtier.results.bill import bill
-    from kvtier.sim.step_model import StepModel
-
-    model = StepModel(deployment.profile, deployment.geometry, deployment.tp)
-    dollars = {**DEFAULT_DOLLARS_PER_GB_HOUR, **config.cost.dollars_per_gb_hour}
-    return bill(
-        run,
-        config.cost_model(model.cost_profile()),
-        deployment.tp,
-        config.cost.gpu_dollars_per_hour,
-        dollars,
-    )
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -164,8 +164,7 @@ def _policy(
     if config.name == "oracle":
         return OraclePolicy(arrivals)
     policy = build_policy(config, profile)
-    if getattr(policy, "calibration", False) is None:  # it predicts, and nobody scores it yet
-        policy.calibration = calibration
+    calibration.score(policy)
     return policy
 
 

@@ -3,9 +3,11 @@
 - `quick`: a few dozen sessions for a short benchmark run of a 135M model on 2 CPU cores:
   prompts stay under ~2.5K tokens (history budget 2,048) and answers are 32-64 tokens.
 - `demo`: what `kvtier bench --quick` (and `make demo`) replays through every policy on 2 CPU
-  cores: 10 sessions of up to 4 turns, documents of 300-800 tokens in half of them, 16-32
-  token answers, follow-ups after seconds and pauses of minutes (the replay clock skips
-  those), so resumed turns are a real share.
+  cores: 2 sessions of up to 3 turns, each opening with a ~4.4K-token document (about 4.2K
+  tokens of SmolLM2 once rendered: recomputing one history takes seconds on a CPU), 8-16
+  token answers (a decode step over 4K tokens of context is slow on a CPU too), every return
+  after a pause of minutes (the replay clock skips those), so every later turn is resumed
+  and the two histories compete for the device pool.
 - `default`: a mixed population: chats with short messages next to sessions that open with a
   long document, four apps with their own system prompts, bursty arrivals, and about 40% of
   returns after a pause of minutes (resumed turns are a real share). Every gap is drawn
@@ -43,20 +45,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_history_tokens": 2048,
     },
     "demo": {
-        "sessions": 10,
-        "session_rate": 0.25,
+        "sessions": 2,
+        "session_rate": 0.1,
         "mean_turns": 3.0,
-        "max_turns": 4,
-        "followup_share": 0.5,
+        "max_turns": 3,
+        "followup_share": 0.0,
         "followup_median_s": 6.0,
         "pause_median_s": 120.0,
         "system_prompt_tokens": 96,
         "apps": 2,
         "user_tokens": {"mean": 40, "cv": 0.6, "min_tokens": 8, "max_tokens": 160},
-        "answer_tokens": {"mean": 24, "cv": 0.25, "min_tokens": 16, "max_tokens": 32},
-        "document_share": 0.5,
-        "document_tokens": {"mean": 500, "cv": 0.3, "min_tokens": 300, "max_tokens": 800},
-        "max_history_tokens": 1000,
+        "answer_tokens": {"mean": 12, "cv": 0.25, "min_tokens": 8, "max_tokens": 16},
+        "document_share": 1.0,
+        "document_tokens": {"mean": 4600, "cv": 0.03, "min_tokens": 4400, "max_tokens": 4800},
+        "max_history_tokens": 7000,
     },
     "default": {
         "sessions": 400,
