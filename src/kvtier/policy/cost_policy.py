@@ -99,6 +99,70 @@ class _Table:
         return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
 
 
+# How far a session's return probabilities may drift (each interval's, relative, with an
+# absolute floor) before its chunks are priced again: well inside what the predictor can tell
+# apart (its reliability bins are 0.1 wide), and few sessions move that much per decision.
+Q_TOLERANCE = (0.2, 2e-3)
+PRICE_TOLERANCE = 0.01  # relative drift of a tier's price before its holders are re-priced
+
+
+def _columns(session: SessionView) -> np.ndarray:
+    """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
+    return np.array(
+        [
+            (c.index, c.tokens, c.token_start, c.size_bytes, TIER_RANK[c.tier])
+            for c in session.stored_chunks()
+        ],
+        dtype=float,
+    ).reshape(-1, 5)
+
+
+@dataclass
+class _Priced:
+    """One session's chunk columns and, once priced, the values they were given, with what
+    they were priced at (the tiers, the return schedule and the tier prices)."""
+
+    view: SessionView
+    columns: np.ndarray
+    values: np.ndarray | None = None
+    soon: np.ndarray | None = None  # next interval's saving per tier
+    tiers: tuple[str, ...] = ()
+    q: np.ndarray | None = None
+    d: np.ndarray | None = None
+    prices: np.ndarray | None = None
+
+    def fresh(
+        self, tiers: tuple[str, ...], q: np.ndarray, d: np.ndarray, prices: np.ndarray
+    ) -> bool:
+        """True when the values still hold: same tiers, each return probability and interval
+        length within `Q_TOLERANCE`, and the prices of the tiers its chunks may still
+        use (at or below the fastest one they are in) within `PRICE_TOLERANCE`."""
+        relative, floor = Q_TOLERANCE
+        if self.values is None or self.tiers != tiers:
+            return False
+        # the last interval ends at the cut-off age, so it shortens at every decision
+        if (np.abs(d - self.d) > relative * self.d + 1e-9).any():
+            return False
+        if (np.abs(q - self.q) > np.maximum(relative * self.q, floor)).any():
+            return False
+        top = self.columns[:, 4].min() if len(self.columns) else 0
+        usable = np.array([TIER_RANK[t] >= top for t in tiers])
+        drift = np.abs(prices - self.prices) > PRICE_TOLERANCE * self.prices
+        return not (drift & usable).any()
+
+    def price(
+        self,
+        tiers: tuple[str, ...],
+        q: np.ndarray,
+        d: np.ndarray,
+        prices: np.ndarray,
+        values: np.ndarray,
+        soon: np.ndarray,
+    ) -> None:
+        self.tiers, self.q, self.d, self.prices = tiers, q, d, prices
+        self.values, self.soon = values, soon
+
+
 @dataclass
 class CostPolicy(RetentionPolicy):
     """kvtier's policy: the formula and allocation are in the module docstring and in
@@ -115,7 +179,7 @@ class CostPolicy(RetentionPolicy):
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._columns: dict[str, tuple[SessionView, np.ndarray]] = {}
+        self._priced: dict[str, _Priced] = {}
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -166,27 +230,20 @@ class CostPolicy(RetentionPolicy):
 
     def _chunks(self, sessions: Sequence[SessionView], remember: bool = False) -> _Table:
         """The sessions' stored chunks as columns (values not filled in). A session's columns
-        are kept while its view object is unchanged (the simulator and the engine reuse it),
-        so a decision over thousands of idle sessions does not walk every chunk again."""
-        cache = self._columns
+        (and, once priced, its values) are kept while its view object is unchanged (the
+        simulator and the engine reuse it), so a decision over thousands of idle sessions does
+        not walk every chunk again."""
+        cache = self._priced
         parts = []
         for session in sessions:
             found = cache.get(session.session_id)
-            if found is None or found[0] is not session:
-                stored = session.stored_chunks()
-                columns = np.array(
-                    [
-                        (c.index, c.tokens, c.token_start, c.size_bytes, TIER_RANK[c.tier])
-                        for c in stored
-                    ],
-                    dtype=float,
-                ).reshape(-1, 5)
-                found = (session, columns)
+            if found is None or found.view is not session:
+                found = _Priced(session, _columns(session))
             parts.append(found)
         if remember:  # only the sessions of this view: memory stays bounded by the view
-            self._columns = {part[0].session_id: part for part in parts}
-        counts = [len(part[1]) for part in parts]
-        data = np.concatenate([part[1] for part in parts]) if parts else np.zeros((0, 5))
+            self._priced = {part.view.session_id: part for part in parts}
+        counts = [len(part.columns) for part in parts]
+        data = np.concatenate([part.columns for part in parts]) if parts else np.zeros((0, 5))
         return _Table(
             sessions,
             np.repeat(np.arange(len(sessions)), counts),
@@ -205,39 +262,78 @@ class CostPolicy(RetentionPolicy):
         occupancy: Mapping[str, float],
         record: bool = True,
     ) -> _Table:
+        """Fill in every chunk's values. With `record` (a decision), a session's values are
+        reused from an earlier decision while its view, its return schedule (within
+        `Q_TOLERANCE`) and the prices of the tiers it may use are unchanged: re-pricing only
+        what moved is what keeps the policy cheap next to the simulation it runs in."""
         tiers = view.tier_names
-        sessions, row_session, size, rank = (
-            chunks.sessions,
-            chunks.row_session,
-            chunks.size,
-            chunks.rank,
-        )
-        if not len(size):
+        sessions, row_session = chunks.sessions, chunks.row_session
+        if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        tokens, start = chunks.values[:, 0], chunks.values[:, 1]
-
         q, d = self._schedules(sessions, now)  # [sessions, K]
         if record and self.calibration is not None:
             for session, q0 in zip(sessions, q[:, 0], strict=True):
                 self.calibration.predict(session.session_id, now, self.horizon_s, float(q0))
-        weight = np.array([2.0**session.priority for session in sessions])[row_session]
-        # chunks x tiers: what a return saves, and what holding costs per second (the cost
+        prices = np.array([self.model.hold_cost(1, t, 1.0, occupancy[t]) for t in tiers])
+        parts = [self._priced.get(s.session_id) for s in sessions] if record else []
+        stale = np.ones(len(sessions), dtype=bool)
+        for i, part in enumerate(parts):
+            stale[i] = (
+                part is None
+                or part.view is not sessions[i]
+                or not part.fresh(tiers, q[i], d[i], prices)
+            )
+        rows = stale[row_session]
+        values = np.empty((len(row_session), len(tiers)))
+        soon = np.empty_like(values)
+        if rows.any():
+            values[rows], soon[rows] = self._induction(chunks, rows, q, d, prices, tiers)
+        starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
+        for i, part in enumerate(parts):
+            block = slice(starts[i], starts[i + 1])
+            if stale[i]:
+                if part is not None and part.view is sessions[i]:
+                    part.price(tiers, q[i], d[i], prices, values[block].copy(), soon[block].copy())
+            else:
+                values[block], soon[block] = part.values, part.soon
+        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
+
+    def _induction(
+        self,
+        chunks: _Table,
+        rows: np.ndarray,
+        q: np.ndarray,
+        d: np.ndarray,
+        prices: np.ndarray,
+        tiers: Sequence[str],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(values, next interval's saving) of the chunks `rows` selects, by the backward
+        induction of the module docstring; tier-major arrays, so each stage is a few passes
+        over contiguous rows."""
+        row_session = chunks.row_session[rows]
+        size, rank = chunks.size[rows], chunks.rank[rows]
+        tokens, start = chunks.values[rows, 0], chunks.values[rows, 1]
+        weight = np.array([2.0**session.priority for session in chunks.sessions])[row_session]
+        # tiers x chunks: what a return saves, and what holding costs per second (the cost
         # model's formulas are plain arithmetic, so they take whole columns at once)
         recompute = self.model.chunk_recompute_s(tokens, start)
-        gain = np.column_stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
-        rent = np.column_stack([self.model.hold_cost(size, t, 1.0, occupancy[t]) for t in tiers])
-        q, d = q[row_session], d[row_session]
-        later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
-        for k in range(q.shape[1] - 1, 0, -1):  # past a session's grid q = d = 0: no change
-            qk, dk = q[:, k, None], d[:, k, None]
-            stage = np.maximum(qk * gain - rent * dk + (1 - qk) * later, 0.0)
-            later = np.maximum.accumulate(stage[:, ::-1], axis=1)[:, ::-1]
-        q0, d0 = q[:, 0, None], d[:, 0, None]
-        values = q0 * gain - rent * d0 + (1 - q0) * later
         tier_rank = np.array([TIER_RANK[t] for t in tiers])
-        values[tier_rank[None, :] < rank[:, None]] = -np.inf  # no promotions
-        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=q0 * gain)
+        gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
+        rent = prices[:, None] * size[None, :]
+        q, d = q[row_session].T, d[row_session].T  # [K, chunks]
+        count = len(tiers)
+        later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
+        for k in range(q.shape[0] - 1, 0, -1):  # past a session's grid q = d = 0: no change
+            qk, dk = q[k], d[k]
+            stage = np.maximum(qk * gain - rent * dk + (1 - qk) * later, 0.0)
+            for j in range(count - 2, -1, -1):  # the best of this tier and any below it
+                np.maximum(stage[j], stage[j + 1], out=stage[j])
+            later = stage
+        q0, d0 = q[0], d[0]
+        values = q0 * gain - rent * d0 + (1 - q0) * later
+        values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
+        return values.T, (q0 * gain).T
 
     def _schedules(
         self, sessions: Sequence[SessionView], now: float
@@ -380,34 +476,40 @@ def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.
 
 def _actions(table: _Table, placed: np.ndarray) -> list[Action]:
     """`ledger.placement_actions` for the whole table at once: drops first, then moves out of
-    the slowest tiers first, then keeps (one per session left where it is)."""
+    the slowest tiers first, then keeps (one per session left where it is). Only the chunks of
+    sessions with a change are visited one by one (a few per decision)."""
+    sessions = table.sessions
     if not len(placed):
-        return [Keep(session.session_id) for session in table.sessions]
+        return [Keep(session.session_id) for session in sessions]
     column_of_rank = np.full(len(TIER_RANK), -2)
     for j, tier in enumerate(table.tiers):
         column_of_rank[TIER_RANK[tier]] = j
     current = column_of_rank[table.rank.astype(int)]
-    changed = np.bincount(
-        table.row_session, weights=placed != current, minlength=len(table.sessions)
-    )
-    starts = np.searchsorted(table.row_session, np.arange(len(table.sessions) + 1))
+    changed = np.bincount(table.row_session, weights=placed != current, minlength=len(sessions))
+    starts = np.searchsorted(table.row_session, np.arange(len(sessions) + 1))
     drops: list[Action] = []
     moves: list[tuple[int, Action]] = []
-    keeps: list[Action] = []
-    for s, session in enumerate(table.sessions):
-        sid = session.session_id
-        if not changed[s]:
-            keeps.append(Keep(sid))
-            continue
-        for r in range(starts[s], starts[s + 1]):
-            index, target = int(table.index[r]), int(placed[r])
-            if target < 0:
-                drops.append(Drop(sid, index))
-            elif target == current[r]:
-                keeps.append(Keep(sid, index))
+    kept: dict[int, list[Action]] = {}  # per changed session, its chunks left in place
+    for s in np.flatnonzero(changed).tolist():
+        sid, first = sessions[s].session_id, int(starts[s])
+        block = slice(first, int(starts[s + 1]))
+        index, target = table.index[block].tolist(), placed[block].tolist()
+        here, rank = current[block].tolist(), table.rank[block].tolist()
+        stored = sessions[s].stored_chunks()
+        kept[s] = []
+        for r, (i, to, at) in enumerate(zip(index, target, here, strict=True)):
+            if to < 0:
+                drops.append(Drop(sid, i))
+            elif to == at:
+                kept[s].append(Keep(sid, i))
             else:
-                form = session.stored_chunks()[r - starts[s]].form
-                move = Move(sid, index, table.tiers[target], form)
-                moves.append((-int(table.rank[r]), move))
+                moves.append((-int(rank[r]), Move(sid, i, table.tiers[to], stored[r].form)))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
+    keeps: list[Action] = []
+    for s, session in enumerate(sessions):
+        found = kept.get(s)
+        if found is None:
+            keeps.append(Keep(session.session_id))
+        else:
+            keeps += found
     return drops + [move for _, move in moves] + keeps
