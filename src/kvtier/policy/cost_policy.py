@@ -117,6 +117,24 @@ def _columns(session: SessionView) -> np.ndarray:
     ).reshape(-1, 5)
 
 
+def _drifted(
+    q: np.ndarray, d: np.ndarray, prices: np.ndarray, parts: Sequence[_Priced], ranks: np.ndarray
+) -> np.ndarray:
+    """Per session (row), True when its values no longer hold: a return probability or an
+    interval length moved past `Q_TOLERANCE` since it was priced (the last interval ends at
+    the cut-off age, so it shortens at every decision), or the price of a tier its chunks may
+    still use (at or below the fastest one they are in) moved past `PRICE_TOLERANCE`."""
+    relative, floor = Q_TOLERANCE
+    old_q = np.stack([part.q for part in parts])
+    old_d = np.stack([part.d for part in parts])
+    old_prices = np.stack([part.prices for part in parts])
+    top = np.array([part.top for part in parts])
+    moved = (np.abs(q - old_q) > np.maximum(relative * old_q, floor)).any(axis=1)
+    moved |= (np.abs(d - old_d) > relative * old_d + 1e-9).any(axis=1)
+    drift = np.abs(prices[None, :] - old_prices) > PRICE_TOLERANCE * old_prices
+    return moved | (drift & (ranks[None, :] >= top[:, None])).any(axis=1)
+
+
 @dataclass
 class _Priced:
     """One session's chunk columns and, once priced, the values they were given, with what
@@ -131,24 +149,10 @@ class _Priced:
     d: np.ndarray | None = None
     prices: np.ndarray | None = None
 
-    def fresh(
-        self, tiers: tuple[str, ...], q: np.ndarray, d: np.ndarray, prices: np.ndarray
-    ) -> bool:
-        """True when the values still hold: same tiers, each return probability and interval
-        length within `Q_TOLERANCE`, and the prices of the tiers its chunks may still
-        use (at or below the fastest one they are in) within `PRICE_TOLERANCE`."""
-        relative, floor = Q_TOLERANCE
-        if self.values is None or self.tiers != tiers:
-            return False
-        # the last interval ends at the cut-off age, so it shortens at every decision
-        if (np.abs(d - self.d) > relative * self.d + 1e-9).any():
-            return False
-        if (np.abs(q - self.q) > np.maximum(relative * self.q, floor)).any():
-            return False
-        top = self.columns[:, 4].min() if len(self.columns) else 0
-        usable = np.array([TIER_RANK[t] >= top for t in tiers])
-        drift = np.abs(prices - self.prices) > PRICE_TOLERANCE * self.prices
-        return not (drift & usable).any()
+    top: float = field(init=False)  # rank of the fastest tier holding one of its chunks
+
+    def __post_init__(self) -> None:
+        self.top = float(self.columns[:, 4].min()) if len(self.columns) else 0.0
 
     def price(
         self,
@@ -276,27 +280,33 @@ class CostPolicy(RetentionPolicy):
             for session, q0 in zip(sessions, q[:, 0], strict=True):
                 self.calibration.predict(session.session_id, now, self.horizon_s, float(q0))
         prices = np.array([self.model.hold_cost(1, t, 1.0, occupancy[t]) for t in tiers])
-        parts = [self._priced.get(s.session_id) for s in sessions] if record else []
+        # in a decision every session has its entry (`_chunks` made them for this view)
+        parts = [self._priced[s.session_id] for s in sessions] if record else []
+        known = [
+            i for i, part in enumerate(parts) if part.values is not None and part.tiers == tiers
+        ]
         stale = np.ones(len(sessions), dtype=bool)
-        for i, part in enumerate(parts):
-            stale[i] = (
-                part is None
-                or part.view is not sessions[i]
-                or not part.fresh(tiers, q[i], d[i], prices)
+        if known:
+            at = np.array(known)
+            stale[at] = _drifted(
+                q[at],
+                d[at],
+                prices,
+                [parts[i] for i in known],
+                np.array([TIER_RANK[t] for t in tiers]),
             )
         rows = stale[row_session]
-        values = np.empty((len(row_session), len(tiers)))
-        soon = np.empty_like(values)
-        if rows.any():
-            values[rows], soon[rows] = self._induction(chunks, rows, q, d, prices, tiers)
-        starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
-        for i, part in enumerate(parts):
-            block = slice(starts[i], starts[i + 1])
-            if stale[i]:
-                if part is not None and part.view is sessions[i]:
-                    part.price(tiers, q[i], d[i], prices, values[block].copy(), soon[block].copy())
-            else:
-                values[block], soon[block] = part.values, part.soon
+        fresh_values, fresh_soon = self._induction(chunks, rows, q, d, prices, tiers)
+        if not parts:
+            return dataclasses.replace(
+                chunks, values=fresh_values, tiers=tiers, next_interval=fresh_soon
+            )
+        cuts = np.cumsum(np.bincount(row_session[rows], minlength=len(sessions))[stale])[:-1]
+        new = zip(np.split(fresh_values, cuts), np.split(fresh_soon, cuts), strict=True)
+        for i in np.flatnonzero(stale).tolist():
+            parts[i].price(tiers, q[i], d[i], prices, *next(new))
+        values = np.concatenate([part.values for part in parts])
+        soon = np.concatenate([part.soon for part in parts])
         return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
 
     def _induction(
