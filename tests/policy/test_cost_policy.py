@@ -97,6 +97,29 @@ def test_plenty_of_free_device_memory_keeps_kv_in_place(kv):
     assert not kv.changes(policy.decide(v, 5.0))
 
 
+def test_values_kept_between_decisions_follow_the_prices_and_the_clock(kv):
+    # the same session view on every call: its values are reused until something they were
+    # priced at moves, so a policy that decided before must decide as a fresh one does
+    s = kv.session("a", 6144, idle_since=0.0)
+    roomy = kv.view([s], CAPACITY, other_used={"device": 10 * GB})
+    queue = QueueView(waiting_requests=20, waiting_tokens=20 * 4096)
+    crowded = kv.view([s], CAPACITY, other_used={"device": 75 * GB}, queue=queue)
+    seasoned = CostPolicy(kv.slow_model())
+    for now in (5.0, 10.0):
+        assert not kv.changes(seasoned.decide(roomy, now))
+    for v, now in ((crowded, 10.0), (roomy, 600.0), (roomy, 4000.0)):
+        assert seasoned.decide(v, now) == CostPolicy(kv.slow_model()).decide(v, now), now
+    # small steps of the clock and of the device's fill too: reuse is exact, never "close"
+    # (the values a decision used are the ones pricing the session afresh gives)
+    for step in range(40):
+        now, other = 20.0 + 0.25 * step, (70 + step // 20) * GB
+        v = kv.view([s], CAPACITY, other_used={"device": other}, queue=queue)
+        assert seasoned.decide(v, now) == CostPolicy(kv.slow_model()).decide(v, now), now
+        used = seasoned._priced["a"].values  # what this decision priced "a" at
+        fresh = seasoned.value(v, s, now)
+        assert [[fresh[i][t] for t in v.tier_names] for i in sorted(fresh)] == used.tolist()
+
+
 def test_pressure_frees_at_least_the_bytes_asked_for(kv):
     policy = CostPolicy(kv.slow_model())
     sessions = [kv.session(f"s{i}", 4096) for i in range(4)]

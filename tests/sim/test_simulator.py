@@ -4,8 +4,10 @@ is accounted for and every byte written to a tier leaves it or is still there.""
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
@@ -16,7 +18,7 @@ from kvtier.policy.cost_model import CostModel
 from kvtier.policy.ledger import form_bytes
 from kvtier.policy.view import PolicyView
 from kvtier.results.report import to_document
-from kvtier.sim.simulator import simulate
+from kvtier.sim.simulator import GC_YOUNG_THRESHOLD, simulate
 from kvtier.sim.step_model import StepModel
 from kvtier.workload.generator import generate
 from kvtier.workload.model import flatten
@@ -42,6 +44,18 @@ class ToHostInt8(RetentionPolicy):
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         return [Move(s.session_id, None, "host", "int8") for s in view.candidates(now)]
+
+
+@dataclass
+class SeesCollector(RetentionPolicy):
+    """Records the garbage collector's settings while the run is on (a test policy)."""
+
+    name = "sees-collector"
+    seen: ClassVar[list[tuple[tuple[int, ...], int]]] = []
+
+    def decide(self, view: PolicyView, now: float) -> list[Action]:
+        self.seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return []
 
 
 def policy(name: str, **fields) -> PolicyConfig:
@@ -209,6 +223,18 @@ def test_every_request_is_accounted_for_and_tier_bytes_balance(workload, name, w
         assert sample.used_bytes["host"] <= 20 * GB
     for r in run.requests:
         assert sum(r.restored_tokens.values()) < r.prompt_tokens
+
+
+def test_the_collector_is_relaxed_during_a_run_and_set_back_after(small):
+    seen = SeesCollector.seen
+    seen.clear()
+    before = gc.get_threshold()
+    config = policy("tests.sim.test_simulator:SeesCollector", interval_s=0.5)
+    simulate([request("s", 0, 0.0, 3000, 400)], small, config)
+    assert seen, "the policy ran"
+    assert all(t[0] == GC_YOUNG_THRESHOLD and t[1:] == before[1:] for t, _ in seen)
+    assert all(frozen > 0 for _, frozen in seen)  # what existed before the run is frozen
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 def test_runs_are_deterministic(workload):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -103,6 +104,10 @@ class Calibration:
     _sum_hit: list[int] = field(init=False)
     _squared_error: float = 0.0
     _pending_total: int = 0
+    # (deadline, order made, session): which sessions have a prediction due, soonest first, so
+    # `expire` visits only those (entries whose prediction was resolved by a return are skipped)
+    _due: list[tuple[float, int, str]] = field(default_factory=list)
+    _made: int = 0
 
     def __post_init__(self) -> None:
         self._count = [0] * self.bins
@@ -125,6 +130,8 @@ class Calibration:
             self._forget_if_empty(oldest)
         self._pending[session_id].append((made_at, made_at + horizon_s, p))
         self._pending_total += 1
+        heapq.heappush(self._due, (made_at + horizon_s, self._made, session_id))
+        self._made += 1
 
     def observe(self, events: Iterable[SessionEvent]) -> None:
         for event in events:
@@ -138,8 +145,11 @@ class Calibration:
 
     def expire(self, now: float) -> None:
         """Predictions whose horizon ended before `now` without a return were misses."""
-        for session_id in list(self._pending):
-            queue = self._pending[session_id]
+        while self._due and self._due[0][0] < now:
+            session_id = heapq.heappop(self._due)[2]
+            queue = self._pending.get(session_id)
+            if queue is None:
+                continue
             while queue and queue[0][1] < now:
                 self._resolve(queue.popleft()[2], False)
             self._forget_if_empty(session_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.policy.view import PolicyView
+from kvtier.policy.view import PolicyView, SessionView
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,21 @@ SessionEvent = Returned | Abandoned
 class TurnTracker:
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
-        self._seen: dict[str, tuple[int, bool]] = {}  # turns seen, already counted abandoned
+        # per session: the view last seen, turns seen, already counted abandoned
+        self._seen: dict[str, tuple[SessionView, int, bool]] = {}
 
     def update(self, view: PolicyView, now: float) -> list[SessionEvent]:
         events: list[SessionEvent] = []
-        seen_now: dict[str, tuple[int, bool]] = {}
-        for session in sorted(view.sessions, key=lambda s: s.session_id):
+        seen_now: dict[str, tuple[SessionView, int, bool]] = {}
+        for session in view.sessions:
+            before = self._seen.get(session.session_id)
+            if before is not None and before[0] is session and not self._expires(before, now):
+                # views are reused until the session changes: nothing new to learn from it
+                seen_now[session.session_id] = before
+                continue
             turns = session.turns
             # a session seen for the first time contributes from its next turn on
-            seen, abandoned = self._seen.get(session.session_id, (len(turns), False))
+            seen, abandoned = (len(turns), False) if before is None else before[1:]
             for i in range(max(seen, 1), len(turns)):
                 ended = turns[i - 1].finished
                 # a return after abandonment was already counted as "no return"
@@ -53,6 +59,14 @@ class TurnTracker:
                 at = session.idle_since + self.max_age_s
                 events.append(Abandoned(session.session_id, session.reuse_key, at))
                 abandoned = True
-            seen_now[session.session_id] = (len(turns), abandoned)
+            seen_now[session.session_id] = (session, len(turns), abandoned)
         self._seen = seen_now
+        # in session order (each session's own events stay in turn order): what the predictor
+        # learns does not depend on the order of the view
+        events.sort(key=lambda event: event.session_id)
         return events
+
+    def _expires(self, before: tuple[SessionView, int, bool], now: float) -> bool:
+        """True when an unchanged session passes the cut-off age now, not yet counted."""
+        session, _, abandoned = before
+        return not abandoned and session.idle and session.idle_s(now) >= self.max_age_s

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{name}: {len(requests):,} requests, {result.events:,} events and "
             f"{result.steps:,} steps in {result.wall_s:.1f} s ({result.events / result.wall_s:,.0f}"
-            f" events/s; policy {result.policy_s:.1f} s), {result.run.duration_s:,.0f} s "
+            f" events/s; policy {result.policy_s:.1f} s, {result.policy_s / result.wall_s:.0%} of"
+            f" it), {result.run.duration_s:,.0f} s "
             "simulated"
         )
         load = load_of(result.run, requests, deployment)
