@@ -137,7 +137,16 @@ def main() -> None:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "python": platform.python_version(),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            # vLLM's defaults on a 2-core machine: 1 OpenMP thread, the other core reserved
+            # for its engine process; these two override that.
+            **{
+                name: os.environ.get(name)
+                for name in (
+                    "VLLM_CPU_KVCACHE_SPACE",
+                    "VLLM_CPU_OMP_THREADS_BIND",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                )
+            },
         },
         "results": results,
     }
