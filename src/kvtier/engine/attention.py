@@ -91,8 +91,15 @@ class PagedAttention:
         """Whether prefill chunks take `_prefill_split` (then the runner builds no masks).
 
         It needs the CPU flash kernel's log-sum-exp output, and observers are handed the
-        whole span's keys, which this path never gathers."""
-        return self.pool.device.type == "cpu" and not self.observers
+        whole span's keys, which this path never gathers. Float32 only: in bf16 the kernel
+        returns each partial output rounded to bf16 before the merge, and that second
+        rounding tripled the logit error against transformers on a 1,500-token prompt (mean
+        |diff| 0.092 instead of 0.027, top-1 agreement 94.5% instead of 97.5%)."""
+        return (
+            self.pool.device.type == "cpu"
+            and self.pool.dtype == torch.float32
+            and not self.observers
+        )
 
     def __call__(
         self,
