@@ -12,6 +12,14 @@ transformers runs requests one after another ("sequential") and as one padded ba
 `--repeats` runs. `--vllm-json` adds a column from `benchmarks/vllm_cpu.py`'s output.
 
     .venv/bin/python benchmarks/engine.py --out out/engine_bench.json [--quick]
+
+`--long` measures the long-context suite instead (`vllm_cpu.long_context`: prefill at 2K and
+8K tokens, decode at 8K context) on kvtier only, and with `--vllm-python` runs
+`benchmarks/vllm_cpu.py --long` in that interpreter first (a subprocess, so the two never
+share the cores), then prints both side by side with kvtier / vLLM ratios:
+
+    .venv/bin/python benchmarks/engine.py --long --vllm-python .venv-vllm/bin/python \
+        --threads 2 --out out/engine_long.json [--vllm-eager]
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -31,12 +40,16 @@ from vllm_cpu import (
     CONCURRENCY,
     DECODE_NEW_TOKENS,
     DECODE_PROMPT_LEN,
+    LONG_DECODE_PROMPT_LEN,
+    LONG_PREFILL_LENGTHS,
     PREFILL_LENGTHS,
     TTFT_PROMPT_LEN,
+    long_context,
     make_prompt,
 )
 
 from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.models import resolve_model_dir
 
 
 def median_of(fn: Callable[[int], float], repeats: int) -> float:
@@ -52,6 +65,15 @@ class KvtierBench:
             self.engine.reset_prefix_cache()
         (out,) = self.engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
         return out.metrics.ttft_s
+
+    def generate_s(self, prompt: list[int], max_tokens: int, cold: bool) -> float:
+        """Wall time of one greedy request, measured as `vllm_cpu.py` measures vLLM's."""
+        if cold:
+            self.engine.reset_prefix_cache()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        started = time.perf_counter()
+        self.engine.generate([prompt], params)
+        return time.perf_counter() - started
 
     def concurrent(self, prompts: list[list[int]]) -> tuple[float, float]:
         """(output tok/s including prefill, decode-only tok/s after every prompt is in)."""
@@ -165,6 +187,63 @@ def run(args: argparse.Namespace) -> dict:
     seq["ttft_1539_cold_ms"] = 1000 * median_of(lambda _: hf.ttft_s(ttft_prompt), reps)
 
     return {
+        **_context(args, engine, threads, started, busy_before, own_before),
+        "results": {"kvtier": kv, "transformers_sequential": seq, "transformers_batched": bat},
+    }
+
+
+def run_long(args: argparse.Namespace) -> dict:
+    """The long-context suite: vLLM-CPU first (when asked, in its own process), then kvtier."""
+    vllm = run_vllm(args) if args.vllm_python else None
+    started, busy_before, own_before = time.perf_counter(), machine_busy_s(), _own_cpu_s()
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    engine = Engine(EngineConfig(dtype=args.dtype, num_threads=threads))
+    ours = KvtierBench(engine)
+    ours.generate_s(make_prompt(LONG_DECODE_PROMPT_LEN, 999), 2, cold=True)  # warm-up
+    kv = long_context(ours.generate_s, args.repeats)
+    report = {
+        **_context(args, engine, threads, started, busy_before, own_before),
+        "results": {"kvtier": kv},
+    }
+    if vllm is not None:
+        report["results"]["vllm_cpu"] = vllm
+    return report
+
+
+def run_vllm(args: argparse.Namespace) -> dict:
+    """`benchmarks/vllm_cpu.py --long` in vLLM's interpreter; its JSON report."""
+    out = args.out.with_name(args.out.stem + "_vllm.json")
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
+    env.pop("PYTHONPATH", None)  # kvtier's path; vLLM's venv brings its own packages
+    command = [
+        str(args.vllm_python),
+        str(Path(__file__).with_name("vllm_cpu.py")),
+        str(resolve_model_dir(None)),
+        "--long",
+        "--repeats",
+        str(args.repeats),
+        "--out",
+        str(out),
+    ]
+    if args.vllm_eager:
+        command.append("--eager")
+    subprocess.run(command, env=env, check=True)
+    return json.loads(out.read_text())
+
+
+def _context(
+    args: argparse.Namespace,
+    engine: Engine,
+    threads: int,
+    started: float,
+    busy_before: float | None,
+    own_before: float,
+) -> dict:
+    """What a report records besides its figures: command, machine, engine settings."""
+    return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "environment": {
             "torch": torch.__version__,
@@ -185,8 +264,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "kv_cache_bytes": engine.config.kv_cache_bytes,
         },
-        "repeats": reps,
-        "results": {"kvtier": kv, "transformers_sequential": seq, "transformers_batched": bat},
+        "repeats": args.repeats,
     }
 
 
@@ -207,6 +285,33 @@ METRICS = [
     ("ttft_1539_cold_ms", "TTFT 1539 tok cold (ms)"),
     ("ttft_1539_prefix_hit_ms", "TTFT 1539 tok prefix hit (ms)"),
 ]
+
+
+LONG_METRICS = [
+    *((f"prefill_{n}_tok_s", f"prefill {n} tok (tok/s)") for n in LONG_PREFILL_LENGTHS),
+    (
+        f"decode_{LONG_DECODE_PROMPT_LEN}_ctx_tok_s",
+        f"decode at {LONG_DECODE_PROMPT_LEN} ctx (tok/s)",
+    ),
+]
+
+
+def long_table(report: dict) -> str:
+    """kvtier, vLLM-CPU and their ratio (> 1: kvtier faster), one row per figure."""
+    ours = report["results"]["kvtier"]
+    vllm = report["results"].get("vllm_cpu")
+    theirs = vllm["results"] if vllm else {}
+    name = vllm["system"] if vllm else "vllm-cpu"
+    lines = [
+        f"| {'metric':31s} | {'kvtier':>10s} | {name:>20s} | {'kvtier/vLLM':>11s} |",
+        "|" + "-" * 33 + "|" + "-" * 12 + "|" + "-" * 22 + "|" + "-" * 13 + "|",
+    ]
+    for key, label in LONG_METRICS:
+        other = theirs.get(key)
+        ratio = f"{ours[key] / other:11.2f}" if other else f"{'-':>11s}"
+        other_cell = f"{other:20.1f}" if other else f"{'-':>20s}"
+        lines.append(f"| {label:31s} | {ours[key]:10.1f} | {other_cell} | {ratio} |")
+    return "\n".join(lines)
 
 
 def table(report: dict, vllm: dict | None) -> str:
@@ -237,13 +342,22 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--sequential-requests", type=int, default=2)
     parser.add_argument("--vllm-json", type=Path, default=None, help="vllm_cpu.py output")
+    parser.add_argument("--long", action="store_true", help="the long-context suite")
+    parser.add_argument(
+        "--vllm-python", type=Path, default=None, help="with --long: run vLLM-CPU here too"
+    )
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
-    report = run(args)
-    vllm = json.loads(args.vllm_json.read_text()) if args.vllm_json else None
-    if vllm is not None:
-        report["results"]["vllm_cpu"] = vllm
-    report["table"] = table(report, vllm)
+    if args.long:
+        report = run_long(args)
+        report["table"] = long_table(report)
+    else:
+        report = run(args)
+        vllm = json.loads(args.vllm_json.read_text()) if args.vllm_json else None
+        if vllm is not None:
+            report["results"]["vllm_cpu"] = vllm
+        report["table"] = table(report, vllm)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(report["table"])

@@ -2,9 +2,12 @@
 
 Per layer: the step's new K/V are written into their pool slots, then each query attends to
 its sequence's blocks. All decodes (one query each) go through ONE padded SDPA call with a
-length mask; each prefill chunk is its own call, split along the query axis so that query
-rows never multiply against keys that lie in their future (a causal mask alone still pays
-for those products).
+length mask. A prefill chunk on CPU is two flash-attention calls merged by their
+log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
+and against its own keys (a square, so plain `is_causal` skips the future half); see
+`_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
+split along the query axis with additive causal masks, so that query rows never multiply
+against keys that lie in their future (a causal mask alone still pays for those products).
 
 Grouped-query attention is folded rather than repeated: the query heads sharing a KV head
 are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read once per
@@ -40,7 +43,12 @@ class PrefillSpan:
     token_end: int
     block_table: torch.Tensor  # [1, num_blocks]
     context_len: int  # keys visible to the span's last query (its position + 1)
-    chunks: list[QueryChunk]
+    chunks: list[QueryChunk]  # empty when `PagedAttention.splits_prefill` (no masks needed)
+
+    @property
+    def past_len(self) -> int:
+        """Positions before the span: computed by earlier steps (or a prefix hit)."""
+        return self.context_len - (self.token_end - self.token_start)
 
 
 @dataclass
@@ -78,6 +86,21 @@ class PagedAttention:
     def needs_weights(self) -> bool:
         return any(o.needs_weights for o in self.observers)
 
+    @property
+    def splits_prefill(self) -> bool:
+        """Whether prefill chunks take `_prefill_split` (then the runner builds no masks).
+
+        It needs the CPU flash kernel's log-sum-exp output, and observers are handed the
+        whole span's keys, which this path never gathers. Float32 only: in bf16 the kernel
+        returns each partial output rounded to bf16 before the merge, and that second
+        rounding tripled the logit error against transformers on a 1,500-token prompt (mean
+        |diff| 0.092 instead of 0.027, top-1 agreement 94.5% instead of 97.5%)."""
+        return (
+            self.pool.device.type == "cpu"
+            and self.pool.dtype == torch.float32
+            and not self.observers
+        )
+
     def __call__(
         self,
         layer: int,
@@ -104,6 +127,10 @@ class PagedAttention:
             )
             out[:nd] = o[:, 0]
         for span in meta.prefills:
+            if not span.chunks:
+                rows = slice(span.token_start, span.token_end)
+                out[rows] = self._prefill_split(layer, q[rows], k[rows], v[rows], span, meta)
+                continue
             key, value = self.pool.gather(layer, span.block_table, meta.slot_index)
             # On the host: a per-layer copy to a GPU would synchronise (only observers read it).
             key_lens = torch.tensor([span.context_len])
@@ -120,6 +147,45 @@ class PagedAttention:
                 )
                 out[rows] = o[0]
         return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _prefill_split(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        span: PrefillSpan,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One prefill chunk, q [n, heads, D], k/v [n, kv_heads, D] -> [n, heads, D].
+
+        Its own keys: a square causal call on the chunk's K/V as computed (no pool read),
+        heads unfolded (K/V repeated `group` times, only n rows). Earlier positions: every
+        one visible to every query, so one unmasked call with GQA folded (K/V of the past
+        read once per KV head). Softmax over the union = the two partial outputs weighted
+        by exp(their log-sum-exp - the union's). Measured on this CPU, 1 thread, the last
+        512-token chunk of an 8K prompt, one layer: 63 ms instead of 110 ms for masked
+        256-row sub-chunks, and no masks to build (12 MB each at 8K).
+        """
+        n = q.shape[0]
+        q_heads = q.transpose(0, 1).contiguous()  # [heads, n, D]: head h = kv * group + g
+        own_k = k.transpose(0, 1).repeat_interleave(self.group, 0)
+        own_v = v.transpose(0, 1).repeat_interleave(self.group, 0)
+        out, lse = _flash(q_heads[None], own_k[None], own_v[None], is_causal=True)
+        past = span.past_len
+        if past:
+            table = span.block_table[:, : -(-past // self.pool.block_size)]
+            key, value = self.pool.gather(layer, table, meta.slot_index)
+            # Folded: [kv_heads, group * n, D] is the same memory as [heads, n, D].
+            folded = q_heads.view(1, self.num_kv_heads, self.group * n, self.head_dim)
+            past_out, past_lse = _flash(folded, key[:, :, :past], value[:, :, :past])
+            past_out = past_out.reshape(out.shape)
+            past_lse = past_lse.reshape(lse.shape)
+            total = torch.logaddexp(lse, past_lse)
+            merged = out.float() * (lse - total).exp_()[..., None]
+            merged += past_out.float() * (past_lse - total).exp_()[..., None]
+            out = merged.to(q.dtype)
+        return out[0].transpose(0, 1)
 
     def _attend(
         self,
@@ -157,3 +223,12 @@ class PagedAttention:
                 )
         o = o.view(b, self.num_kv_heads, self.group, length, self.head_dim)
         return o.permute(0, 3, 1, 2, 4).reshape(b, length, self.num_heads, self.head_dim)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention, [B, H, L, D] -> (output [B, H, L, D], log-sum-exp [B, H, L]
+    float32): what `F.scaled_dot_product_attention` runs on CPU, plus the normaliser that
+    lets two partial attentions be merged exactly."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)

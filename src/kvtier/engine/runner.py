@@ -131,7 +131,19 @@ class ModelRunner:
     def _prefill_span(
         self, request: Request, table: torch.Tensor, row: int, start: int, n: int
     ) -> PrefillSpan:
-        """A prefill chunk: its block table and the causal masks of its query sub-chunks."""
+        """A prefill chunk: its block table and, unless attention splits prefills itself
+        (`PagedAttention.splits_prefill`), the causal masks of its query sub-chunks."""
+        return PrefillSpan(
+            request_id=request.request_id,
+            token_start=row,
+            token_end=row + n,
+            block_table=table[: cdiv(start + n, self.block_size)][None].to(self.device),
+            context_len=start + n,
+            chunks=[] if self.model.attention.splits_prefill else self._query_chunks(start, n),
+        )
+
+    def _query_chunks(self, start: int, n: int) -> list[QueryChunk]:
+        """The causal masks of a prefill chunk's query sub-chunks (masked path)."""
         # An observer asking for weights gets the whole chunk's matrix in one call.
         rows_per_chunk = n if self.model.attention.needs_weights else PREFILL_QUERY_CHUNK
         chunks = []
@@ -143,14 +155,7 @@ class ModelRunner:
             # Folded GQA: each query row appears once per head of its group.
             mask = self._additive(visible.repeat(self.group, 1))
             chunks.append(QueryChunk(start=q0, end=q1, key_len=key_len, mask=mask))
-        return PrefillSpan(
-            request_id=request.request_id,
-            token_start=row,
-            token_end=row + n,
-            block_table=table[: cdiv(start + n, self.block_size)][None].to(self.device),
-            context_len=start + n,
-            chunks=chunks,
-        )
+        return chunks
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """0 where visible, -inf elsewhere, in the model dtype: SDPA would otherwise turn a
