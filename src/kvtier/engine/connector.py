@@ -71,6 +71,12 @@ class KVBlockPort(Protocol):
         """Fill these blocks from [n, *block_shape] (any device; copied)."""
         ...
 
+    def block_view(self, block_ids: Sequence[int]) -> torch.Tensor | None:
+        """The blocks themselves, [n, *block_shape] and writable, when the pool holds them
+        adjacent and in full precision: a restore reads a chunk straight into them (one copy,
+        not two). None otherwise (a packed pool, scattered ids): use `write_blocks`."""
+        ...
+
 
 @dataclass(frozen=True)
 class QueueDemand:
