@@ -23,7 +23,8 @@ bytes the session occupied in the tier (the tier's own `used_bytes` after the mo
 reads come from the page cache (the segments were just written). Starts its own redis-server
 unless --redis-url.
 
-Baselines, timed in the same run (medians of 5): "copy", one torch copy of the bytes the
+Baselines, timed in every repeat beside the restores (each a median of 5; then the median
+over the repeats): "copy", one torch copy of the bytes the
 session held on the host, between two buffers already in memory; "GET", one redis-py
 pipeline of GETs of that many bytes in values of one chunk's size (written first under keys
 of their own). The targets (issue 20): host <= 1.5 x (copy + prefill), disk (page cache)
@@ -214,26 +215,25 @@ def main() -> None:
             results[source]["stored_bytes"].append(stored)
         print(f"repeat {repeat} {source:11s} ttft {out.metrics.ttft_s * 1000:8.1f} ms  {where}")
 
-    prefill_s: list[float] = []
+    # timed in every repeat, beside the restores, so that load on the machine weighs on both
+    baseline_runs: dict[str, list[float]] = {"prefill": [], "copy": [], "GET": []}
     try:
         for repeat in range(args.repeats):
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form in forms:
                 tiers = all_tiers(workdir / f"{repeat}-{form}", redis_url, form)
                 outs, warm = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
-                prefill_s.append(warm)
+                baseline_runs["prefill"].append(warm * 1000)
                 for tier in tiered:
                     source = f"{tier} {form}" if form != "full" and tier != "host" else tier
                     if tier == "host" and form != forms[0]:
                         continue  # the same host restore in every form: counted once
                     record(repeat, source, *outs[tier])
+            moved = int(statistics.median(results["host"]["stored_bytes"]))
+            baseline_runs["copy"].append(copy_ms(moved))
+            baseline_runs["GET"].append(get_ms(redis_url, moved, -(-args.tokens // 256)))
         codecs = {form: codec_ms(engine, form) for form in forms if form != "full"}
-        moved = int(statistics.median(results["host"]["stored_bytes"]))
-        baselines = {
-            "prefill": statistics.median(prefill_s) * 1000,
-            "copy": copy_ms(moved),
-            "GET": get_ms(redis_url, moved, -(-args.tokens // 256)),
-        }
+        baselines = {name: statistics.median(runs) for name, runs in baseline_runs.items()}
     finally:
         engine.close()
         if redis_process is not None:
