@@ -23,7 +23,8 @@ Ownership, and what happens on failure:
   them as computed.
 - **Loads finish within the step**: the engine calls `start_loads` and `wait_for_loads`
   before the forward pass (so `num_loadable_tokens` is never asynchronous here; overlapping
-  loads with the forward, layer by layer, is a later change of the worker side only).
+  loads with the forward, layer by layer, first needs records verifiable per layer: see
+  docs/tiers.md, "Layer-wise pipelined restore").
 - **A load that fails** (missing, late, corrupt, forged) is reported by `wait_for_loads`
   as the first block index of that request that was not filled. The engine rolls the request
   back to that block: it is recomputed from there, so a failing tier costs time, never
