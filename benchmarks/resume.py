@@ -9,7 +9,9 @@ One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 - recompute: a fresh prompt of the resumed turn's length (`--tokens` + 17) on an engine with
   no tiers and an empty prefix cache: TTFT is its whole prefill;
 - host, disk, remote: one connector with all three tiers; turn 1 prefills a `--tokens` prompt
-  (1 output token); then, per source in turn, the policy runner executes
+  (1 output token); a turn of the history + 16 new tokens is timed with the history still
+  cached on the device ("prefill": the new tokens' prefill alone, on a warm cache); then, per
+  source in turn, the policy runner executes
   `Move(session, all chunks, source)` (one payload per 256-token chunk, device blocks freed;
   a chunk restored by the previous source is demoted from the tier above), the writes are
   flushed, and turn 2 (the history + 16 new tokens, new ones per source) is timed.
@@ -20,6 +22,15 @@ restored. Medians of the repeats are reported, with where the prompt tokens came
 bytes the session occupied in the tier (the tier's own `used_bytes` after the move). Disk
 reads come from the page cache (the segments were just written). Starts its own redis-server
 unless --redis-url.
+
+Baselines, timed in every repeat beside the restores (each a median of 5; then the median
+over the repeats): "copy", one torch copy of the bytes the
+session held on the host, between two buffers already in memory; "GET", one redis-py
+pipeline of GETs of that many bytes in values of one chunk's size (written first under keys
+of their own). The targets (issue 20): host <= 1.5 x (copy + prefill), disk (page cache)
+<= 2 x (copy + prefill), remote <= 1.5 x (GET + prefill); a quantized form must beat full
+precision from the same tier. Each ratio is the median over the repeats of one repeat's TTFT
+over that repeat's own baseline.
 
 `--form`: the forms to compare (`TiersConfig.forms`): "full" stores every tier in full
 precision; "int8" / "int4" store disk and remote in that form (host stays full), encoded on
@@ -39,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+import torch
 from local_redis import start_redis
 
 from kvtier.cache import TiersConfig
@@ -89,13 +102,15 @@ def recompute(engine: Engine, tokens: int, seed: int) -> RequestOutput:
 
 def restores(
     engine: Engine, tiers: TiersConfig, tokens: int, seed: int, sources: list[str]
-) -> dict[str, tuple[RequestOutput, int]]:
-    """Per source: the resumed turn's output and the bytes the session held in that tier."""
+) -> tuple[dict[str, tuple[RequestOutput, int]], float]:
+    """Per source: the resumed turn's output and the bytes the session held in that tier;
+    and the TTFT (s) of the same kind of turn with the history cached on the device."""
     r = random.Random(seed)
     connector = attach_connector(engine, tiers, "retain")
     session = f"bench-{seed}"
     history = ids(r, tokens)
     history += timed(engine, history, session).new_token_ids
+    warm = timed(engine, history + ids(r, 16)).metrics.ttft_s
     outputs = {}
     for source in sources:
         connector.runner.execute(Move(session, None, source))
@@ -105,7 +120,44 @@ def restores(
         # the next turn has no session id, so the runner keeps turn 1's keys for the next move
         outputs[source] = (timed(engine, history + ids(r, 16)), stored)
     attach_connector(engine, None)
-    return outputs
+    return outputs, warm
+
+
+def median_ms(run, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def copy_ms(nbytes: int) -> float:
+    """One copy of `nbytes` between two buffers already in memory (pages touched)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    return median_ms(lambda: dst.copy_(src))
+
+
+def get_ms(redis_url: str, nbytes: int, chunks: int) -> float:
+    """One pipeline of GETs of `nbytes` in `chunks` values (redis-py, as the tier uses)."""
+    client = redis.Redis.from_url(redis_url)
+    keys = [f"kvt-bench-raw-{i}" for i in range(chunks)]
+    value = bytes(nbytes // chunks)
+    for key in keys:
+        client.set(key, value)
+
+    def get_all() -> None:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        pipe.execute()
+
+    try:
+        return median_ms(get_all)
+    finally:
+        client.delete(*keys)
+        client.close()
 
 
 def codec_ms(engine: Engine, form: str, repeats: int = 7) -> tuple[float, float]:
@@ -164,18 +216,25 @@ def main() -> None:
             results[source]["stored_bytes"].append(stored)
         print(f"repeat {repeat} {source:11s} ttft {out.metrics.ttft_s * 1000:8.1f} ms  {where}")
 
+    # timed in every repeat, beside the restores, so that load on the machine weighs on both
+    baseline_runs: dict[str, list[float]] = {"prefill": [], "copy": [], "GET": []}
     try:
         for repeat in range(args.repeats):
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form in forms:
                 tiers = all_tiers(workdir / f"{repeat}-{form}", redis_url, form)
-                outs = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
+                outs, warm = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
+                baseline_runs["prefill"].append(warm * 1000)
                 for tier in tiered:
                     source = f"{tier} {form}" if form != "full" and tier != "host" else tier
                     if tier == "host" and form != forms[0]:
                         continue  # the same host restore in every form: counted once
                     record(repeat, source, *outs[tier])
+            moved = int(statistics.median(results["host"]["stored_bytes"]))
+            baseline_runs["copy"].append(copy_ms(moved))
+            baseline_runs["GET"].append(get_ms(redis_url, moved, -(-args.tokens // 256)))
         codecs = {form: codec_ms(engine, form) for form in forms if form != "full"}
+        baselines = {name: statistics.median(runs) for name, runs in baseline_runs.items()}
     finally:
         engine.close()
         if redis_process is not None:
@@ -200,6 +259,7 @@ def main() -> None:
         print(f"| {source} | {median * 1000:.1f} | {base / median:.2f}x | {held} | {where} |")
     for form, (encode, decode) in codecs.items():
         print(f"\n{form}: encode {encode:.1f} ms, decode {decode:.1f} ms per 256-token chunk")
+    targets = print_targets(results, baselines, baseline_runs, moved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
@@ -210,11 +270,65 @@ def main() -> None:
                     "threads": args.threads,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
+                    "baselines_ms": baselines,
+                    "baseline_runs_ms": baseline_runs,
+                    "targets": targets,
                     "results": results,
                 },
                 indent=2,
             )
         )
+
+
+# source -> (what it is measured against, the most it may cost as a multiple of that)
+TARGETS = {"host": ("copy", 1.5), "disk": ("copy", 2.0), "remote": ("GET", 1.5)}
+
+
+def print_targets(
+    results: dict[str, dict],
+    baselines: dict[str, float],
+    runs: dict[str, list[float]],
+    moved: int,
+) -> dict[str, dict]:
+    """The issue's targets against the baselines timed in this run; returns them for the JSON.
+
+    A ratio is the median over the repeats of each repeat's TTFT over that repeat's own
+    baseline (or full-precision TTFT), so load that comes and goes during the run weighs on
+    both sides of each ratio."""
+    print(
+        f"\nbaselines: prefill of the new tokens on a warm cache {baselines['prefill']:.1f} ms; "
+        f"copy of {moved:,} bytes {baselines['copy']:.1f} ms; pipelined GET of them "
+        f"{baselines['GET']:.1f} ms\n"
+    )
+    print("| restored from | median TTFT (ms) | target | median ratio per repeat | met |")
+    print("|---|---|---|---|---|")
+    targets = {}
+    for source, result in results.items():
+        tier, _, form = source.partition(" ")
+        ttft = result["median_ttft_ms"]
+        if tier not in TARGETS:
+            continue
+        if form:  # a quantized form: it must beat full precision from the same tier
+            full = results[tier]["median_ttft_ms"]
+            bounds = [t * 1000 for t in results[tier]["ttft_s"]]
+            label, most = f"< {tier} full ({full:.1f})", 1.0
+        else:
+            link, most = TARGETS[tier]
+            per_form = len(runs["prefill"]) // len(runs[link])  # prefill: one per form
+            prefill = [
+                statistics.median(runs["prefill"][i * per_form : (i + 1) * per_form])
+                for i in range(len(runs[link]))
+            ]
+            bounds = [a + b for a, b in zip(runs[link], prefill, strict=True)]
+            bound = baselines[link] + baselines["prefill"]
+            label = f"<= {most} x ({link} + prefill) = {most * bound:.1f}"
+        ratio = statistics.median(
+            t * 1000 / b for t, b in zip(result["ttft_s"], bounds, strict=True)
+        )
+        met = ratio < most if form else ratio <= most
+        targets[source] = {"ttft_ms": ttft, "target": label, "ratio": ratio, "met": met}
+        print(f"| {source} | {ttft:.1f} | {label} | {ratio:.2f} | {'yes' if met else 'no'} |")
+    return targets
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ disk and Redis with greedy output identical to recomputing it; broken tiers cost
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -103,4 +104,34 @@ def test_redis_stopped_mid_run(engine, expected, tmp_path, own_redis):
     second, out = run_second(engine, turns, first)
     assert second == second_ref
     assert out.metrics.prompt_token_sources["remote"] == 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("damage", [False, True])
+def test_chunk_read_straight_into_device_blocks(engine, expected, tmp_path, damage):
+    """Without prefetch a disk chunk is read into its device blocks in place (no staging
+    copy); a damaged record landing there first still fails its checksum, and the request
+    recomputes those blocks: the output never changes."""
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    tiers = dataclasses.replace(tiers_for("disk", tmp_path), prefetch=False)
+    connector = attach_connector(engine, tiers, "offload")
+    first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
+    if damage:  # the body of every segment's newest record (see the test above)
+        for segment in sorted((tmp_path / "d").glob("*.seg")):
+            data = bytearray(segment.read_bytes())
+            data[-1000] ^= 0xFF
+            segment.write_bytes(bytes(data))
+    second, out = run_second(engine, turns, first)
+    assert second == second_ref
+    counters = connector.counters
+    assert counters["prefetched_chunks"] == 0
+    if damage:
+        assert counters["restore_failures"] >= 1
+        assert connector.store.tiers["disk"].stats.corrupt >= 1
+        assert out.metrics.prompt_token_sources["recomputed"] > len(turns.extra)
+    else:
+        assert counters["restored_chunks_in_place"] >= 1
+        assert out.metrics.prompt_token_sources["disk"] > 0
     assert_no_leak(engine)

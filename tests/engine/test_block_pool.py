@@ -109,3 +109,30 @@ def test_blocks_copy_out_and_in_through_a_codec():
     assert meta.forms[0] == "fp16"
     meta.allocate(1)  # a fresh owner recomputes the block: exact again
     assert meta.forms[0] == FULL_FORM
+
+
+@pytest.mark.parametrize("ids", [[2, 3, 4], [5, 1, 2, 7], [6, 3]])
+def test_write_blocks_fills_each_block_wherever_the_ids_point(ids):
+    """Adjacent ids are copied as one run, scattered ones each on their own: either way
+    block `ids[i]` receives `blocks[i]`, and no other block changes."""
+    pool = KVPool(2, 1, 4, 4, torch.float32, "cpu", budget_bytes=8 * 2 * 2 * 4 * 4 * 4)
+    pool.kv.normal_()
+    before = pool.kv.clone()
+    blocks = torch.randn(len(ids), *pool.block_shape)
+    pool.write_blocks(ids, blocks)
+    for i, block in enumerate(ids):
+        assert torch.equal(pool.kv[block], blocks[i])
+    untouched = [b for b in range(pool.num_blocks) if b not in ids]
+    assert torch.equal(pool.kv[untouched], before[untouched])
+    assert torch.equal(pool.read_blocks(ids), blocks)
+
+
+def test_block_view_is_the_blocks_themselves_only_when_adjacent():
+    pool = KVPool(2, 1, 4, 4, torch.float32, "cpu", budget_bytes=8 * 2 * 2 * 4 * 4 * 4)
+    view = pool.block_view([3, 4, 5])
+    assert view is not None and view.shape == (3, *pool.block_shape)
+    view.fill_(7.0)  # writing the view is writing the pool
+    assert bool((pool.kv[3:6] == 7.0).all()) and not bool((pool.kv[2] == 7.0).any())
+    assert pool.block_view([3, 5]) is None
+    assert pool.block_view([4, 3]) is None
+    assert pool.block_view([]) is None

@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+
 from kvtier.cache.chunks import Chunks
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.forms import ChunkForms, Restored
@@ -99,11 +101,10 @@ class Restorer:
             self.store.discover(keys, self.chunks.namespace_of(request), start)
         if not prefetching or not len(self.store):
             return  # (chunks only staged are read from their bytes at admission)
-        # chunks still being written are read from their staged bytes, not prefetched
         ids = [
             load.chunk.id
             for load in self._plan_loads(request, start, for_prefetch=True)
-            if load.chunk is not None and self.chunks.writes.staged(load.chunk.id) is None
+            if load.chunk is not None and self._worth_prefetching(load.chunk.id)
         ]
         if not ids:
             return
@@ -111,6 +112,15 @@ class Restorer:
         handle = self.mover.prefetch(ids, then=self._decode)
         self._prefetches[request.request_id] = (handle, {cid: i for i, cid in enumerate(ids)})
         self.counters["prefetched_chunks"] += len(ids)
+
+    def _worth_prefetching(self, chunk_id: bytes) -> bool:
+        """Not a chunk still being written (read from its staged bytes), nor one in a tier
+        read at memory speed (host): that one is read straight into its device blocks when
+        they are known, where a prefetch would copy it twice."""
+        if self.chunks.writes.staged(chunk_id) is not None:
+            return False
+        placement = self.store.locate(chunk_id)
+        return placement is not None and not self.store.tiers[placement.tier].in_memory
 
     def loadable(self, request: Request, num_computed_tokens: int) -> int:
         rid = request.request_id
@@ -236,12 +246,18 @@ class Restorer:
         chunk = load.chunk
         assert chunk is not None
         deadline = time.monotonic() + self.config.restore_deadline_s
-        loaded, tier = self._load(request.request_id, chunk, deadline)
+        grid = (load.first // self.chunks.blocks_per_chunk) * self.chunks.blocks_per_chunk
+        # The whole chunk into adjacent device blocks: a load now reads it in place.
+        whole = load.first == grid and load.end - load.first == len(chunk.keys)
+        into = self.chunks.port.block_view(block_ids) if whole else None
+        loaded, tier = self._load(request.request_id, chunk, deadline, into)
         if loaded is None or tier is None or loaded.blocks.shape[0] != len(chunk.keys):
             return False
-        grid = (load.first // self.chunks.blocks_per_chunk) * self.chunks.blocks_per_chunk
-        blocks = loaded.blocks[load.first - grid : load.end - grid]
-        self.chunks.load(block_ids, blocks)
+        if into is not None and loaded.blocks.data_ptr() == into.data_ptr():
+            self.counters["restored_chunks_in_place"] += 1
+        else:
+            blocks = loaded.blocks[load.first - grid : load.end - grid]
+            self.chunks.load(block_ids, blocks)
         for block_id in block_ids:
             # a block restored lossy is never "exact"
             self.chunks.block_pool.set_form(block_id, loaded.form)
@@ -255,14 +271,16 @@ class Restorer:
         return True
 
     def _load(
-        self, request_id: str, chunk: Chunk, deadline: float
+        self, request_id: str, chunk: Chunk, deadline: float, into: torch.Tensor | None = None
     ) -> tuple[Restored | None, str | None]:
         """The chunk in the pool's dtype and the form it was stored in (None: missing,
         corrupt, not this pool's blocks, or late), and the tier it counts as restored from.
 
         In order: its prefetch (waited for until the deadline; decoded on the worker), the
         staged bytes of a write still in flight (no waiting for the tier), a load now
-        (retried `retries` times)."""
+        (retried `retries` times). A load now of a full-precision chunk reads into `into`
+        (its device blocks) when given; a failed read may leave them half written, which
+        is harmless: the request is rolled back and recomputes them."""
         prefetch = self._prefetches.get(request_id)
         if prefetch is not None and chunk.id in prefetch[1]:
             handle, index = prefetch
@@ -282,7 +300,10 @@ class Restorer:
         placement = self.store.locate(chunk.id)
         if placement is None:
             return None, None
-        payload = self.store.promote(chunk.id, attempts=1 + self.config.retries)
+        out = None
+        if into is not None and placement.form == FULL:
+            out = into.view(-1).view(torch.uint8)
+        payload = self.store.promote(chunk.id, out=out, attempts=1 + self.config.retries)
         return self._decode(payload), placement.tier
 
     def _decode(self, payload: Payload | None) -> Restored | None:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvtier.compress.quant import Quantized, check_bits, dequantize, quantize
+from kvtier.compress.quant import Quantized, check_bits, dequantize_into, quantize
 from kvtier.errors import KvtierError
 
 # (dtype, shape) of the codes, minimums and steps of one quantized half (K or V)
@@ -59,7 +59,7 @@ class IntCodec:
                 pieces.append(raw.view(piece_dtype).reshape(piece_shape))
                 offset += nbytes
             q = Quantized(*pieces, bits=self.bits, dim=axis, length=half[axis], shape=half)
-            out[:, kv] = dequantize(q, dtype)
+            dequantize_into(q, out[:, kv])
         return out
 
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:

@@ -111,6 +111,17 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return values.movedim(-1, q.dim).to(dtype).reshape(q.shape)
 
 
+def dequantize_into(q: Quantized, out: torch.Tensor) -> None:
+    """`dequantize(q)` written into `out` (any dtype, any strides), value for value: codes to
+    float32, multiplied and shifted in place, then one copy that casts and lays them out, where
+    `dequantize` makes three more passes. A restore decodes whole chunks this way (measured
+    1.5-6x faster per half-chunk than `dequantize` + a copy; a single fused `addcmul` over the
+    uint8 codes into `out` was slower still: mixed dtypes take torch's unvectorised path)."""
+    values = _unpack(q.codes, q.bits).float().mul_(q.step.float()).add_(q.minimum.float())
+    values = values.reshape(*values.shape[:-2], -1)[..., : q.length]
+    out.copy_(values.movedim(-1, q.dim))
+
+
 def max_error(x: torch.Tensor, bits: int, group_size: int, dim: int) -> torch.Tensor:
     """The documented bound for each value of `x`: half its group's step (same shape as x)."""
     q = quantize(x, bits, group_size, dim)

@@ -23,7 +23,8 @@ Ownership, and what happens on failure:
   them as computed.
 - **Loads finish within the step**: the engine calls `start_loads` and `wait_for_loads`
   before the forward pass (so `num_loadable_tokens` is never asynchronous here; overlapping
-  loads with the forward, layer by layer, is a later change of the worker side only).
+  loads with the forward, layer by layer, first needs records verifiable per layer: see
+  docs/tiers.md, "Layer-wise pipelined restore").
 - **A load that fails** (missing, late, corrupt, forged) is reported by `wait_for_loads`
   as the first block index of that request that was not filled. The engine rolls the request
   back to that block: it is recomputed from there, so a failing tier costs time, never
@@ -69,6 +70,12 @@ class KVBlockPort(Protocol):
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Fill these blocks from [n, *block_shape] (any device; copied)."""
+        ...
+
+    def block_view(self, block_ids: Sequence[int]) -> torch.Tensor | None:
+        """The blocks themselves, [n, *block_shape] and writable, when the pool holds them
+        adjacent and in full precision: a restore reads a chunk straight into them (one copy,
+        not two). None otherwise (a packed pool, scattered ids): use `write_blocks`."""
         ...
 
 

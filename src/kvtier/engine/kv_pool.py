@@ -133,10 +133,24 @@ class KVPool:
         return out
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Fill these blocks from [n, *block_shape] (one scatter)."""
-        index = device_index(block_ids, self.device)
+        """Fill these blocks from [n, *block_shape]: one slice copy per run of adjacent ids
+        (index_copy_ of the same 5.9 MB chunk measured ~2x slower than a slice copy here)."""
         with torch.inference_mode():
-            self.kv.index_copy_(0, index, blocks.to(self.kv.device, self.dtype))
+            blocks = blocks.to(self.kv.device, self.dtype)
+            for start, first, count in adjacent_runs(block_ids):
+                self.kv[first : first + count].copy_(blocks[start : start + count])
+
+    def block_view(self, block_ids: Sequence[int]) -> torch.Tensor | None:
+        """These blocks themselves, [n, *block_shape], writable, when their ids are adjacent
+        (a tier then reads a chunk straight into the pool: no staging copy); else None. None
+        on a GPU pool too: a tier reads into host memory, and the copy to the device goes
+        through `kvtier.engine.device_copy` (a side stream)."""
+        if self.kv.device.type != "cpu":
+            return None
+        ids = list(block_ids)
+        if not ids or ids != list(range(ids[0], ids[0] + len(ids))):
+            return None
+        return self.kv[ids[0] : ids[0] + len(ids)]
 
     def read_block(self, block_id: int, codec: BlockCodec = _IDENTITY) -> torch.Tensor:
         """A copy of one block in the codec's stored form (full precision by default)."""
@@ -151,6 +165,17 @@ class KVPool:
         which is where block bookkeeping lives; this class only moves bytes.
         """
         self.kv[block_id].copy_(codec.decode(payload, self.block_shape, self.dtype))
+
+
+def adjacent_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in `block_ids`, first id, count) of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
 
 
 def token_vector_index(

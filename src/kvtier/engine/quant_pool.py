@@ -365,6 +365,10 @@ class QuantizedKVPool:
         with torch.inference_mode():
             self._store_blocks(list(block_ids), blocks.to(self.device, self.dtype))
 
+    def block_view(self, block_ids: Sequence[int]) -> None:
+        """None: packed blocks are no full-precision bytes to read into (`write_blocks`)."""
+        return None
+
     # ----- internals ---------------------------------------------------------------------
 
     def _read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:

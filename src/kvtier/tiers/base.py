@@ -159,6 +159,11 @@ class TierBackend(ABC):
         """What survived a restart, oldest first; volatile tiers have nothing."""
         return []
 
+    # A tier whose reads are memory copies (host DRAM): a restore reads it straight into the
+    # device blocks when it needs the chunk, since a prefetch into a buffer of its own would
+    # only add a copy.
+    in_memory = False
+
     # A tier other processes write to as well (Redis shared by replicas): the store asks it
     # about chunks its own index does not have (`find`).
     shared = False

@@ -37,6 +37,8 @@ class _Held:
 
 
 class HostTier(TierBackend):
+    in_memory = True
+
     def __init__(
         self,
         capacity_bytes: int,

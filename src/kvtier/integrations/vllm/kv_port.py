@@ -64,6 +64,10 @@ class PagedKVPort:
         for layer, (tensor, dim) in enumerate(zip(self.layers, self.block_dims, strict=True)):
             tensor.index_copy_(dim, index, blocks[:, layer].movedim(0, dim))
 
+    def block_view(self, block_ids: Sequence[int]) -> None:
+        """None: a block spans one tensor per layer here, never one slab (`write_blocks`)."""
+        return None
+
 
 def _block_dim(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
