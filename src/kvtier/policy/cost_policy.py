@@ -465,6 +465,7 @@ class CostPolicy(RetentionPolicy):
                     break
         return placed
 
+
     def _demotion_loss(
         self, table: _Table, rows: np.ndarray, lower: np.ndarray, now: float
     ) -> np.ndarray:
