@@ -87,8 +87,6 @@ class _Table:
     tiers: tuple[str, ...]
     # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
     next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    # per session: q, d of its return schedule (`CostPolicy._schedules`), [sessions, K] each
-    schedule: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def keys(self) -> list[ChunkKey]:
@@ -298,7 +296,7 @@ class CostPolicy(RetentionPolicy):
         fresh_values, fresh_soon = self._induction(chunks, rows, q, d, prices, tiers)
         if not parts:
             return dataclasses.replace(
-                chunks, values=fresh_values, tiers=tiers, next_interval=fresh_soon, schedule=(q, d)
+                chunks, values=fresh_values, tiers=tiers, next_interval=fresh_soon
             )
         ends = np.cumsum(np.bincount(row_session[rows], minlength=len(sessions))[stale])
         first = 0
@@ -308,9 +306,7 @@ class CostPolicy(RetentionPolicy):
             first = end
         values = np.concatenate([part.values for part in parts])
         soon = np.concatenate([part.soon for part in parts])
-        return dataclasses.replace(
-            chunks, values=values, tiers=tiers, next_interval=soon, schedule=(q, d)
-        )
+        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
 
     def _induction(
         self,
@@ -423,7 +419,7 @@ class CostPolicy(RetentionPolicy):
                 # is the next interval's saving over the tier it would go to (a drop cannot
                 # be taken back, so against a drop the whole value is at stake)
                 lower = j + 1 + np.argmax(values[rows, j + 1 :], axis=1)
-                step = self._demotion_loss(table, rows, lower, now)
+                step = table.next_interval[rows, j] - table.next_interval[rows, lower]
                 loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
             rank = np.lexsort((rows, -loss))  # highest loss first, then key order
             order, bids = rows[rank], loss[rank]
@@ -464,35 +460,6 @@ class CostPolicy(RetentionPolicy):
                     placed[r] = j
                     break
         return placed
-
-
-    def _demotion_loss(
-        self, table: _Table, rows: np.ndarray, lower: np.ndarray, now: float
-    ) -> np.ndarray:
-        """Seconds lost by demoting these device chunks now (to the tiers `lower`, columns)
-        rather than when new work needs their space. Demotion cannot be undone, so it loses
-        the chunk's hit if its session returns before that: within `1 / λ`, the time to the
-        next arrival the demand forecast expects (one decision interval at least, and before
-        any arrival). Hazard is taken as constant inside each interval of the schedule."""
-        if not len(rows):
-            return np.zeros(0)
-        rate = self.demand.rate(now, self.horizon_s)
-        until = max(self.horizon_s, 1.0 / rate) if rate > 0 else self.horizon_s
-        assert table.schedule is not None  # filled in by `_table`
-        q, d = table.schedule
-        start = np.cumsum(d, axis=1) - d
-        part = np.clip((until - start) / np.maximum(d, 1e-12), 0.0, 1.0)
-        part[d <= 0] = 0.0
-        stay = np.sum(part * np.log1p(-np.minimum(q, 1.0 - 1e-12)), axis=1)
-        reach = -np.expm1(stay)[table.row_session[rows]]
-        sessions = table.sessions
-        weight = np.array([2.0 ** sessions[s].priority for s in table.row_session[rows].tolist()])
-        size = table.size[rows]
-        load = np.zeros(len(rows))
-        for j in np.unique(lower).tolist():
-            mask = lower == j
-            load[mask] = self.model.load_s(size[mask], table.tiers[j])
-        return reach * weight * load
 
 
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:

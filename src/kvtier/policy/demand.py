@@ -74,9 +74,12 @@ class DemandForecast:
         """(k, P(bytes arriving in the next `horizon_s` > k)) on a grid of `SLICES` + 1 levels
         from 0 to where the probability is negligible: the demand curve the device's free
         space is priced by. Empty arrays before any arrival."""
-        count = self.rate(now, horizon_s) * horizon_s  # expected arrivals: λ H
-        if not count:
+        self._expire(now)
+        if not self._arrivals or self._start is None:
             return np.zeros(0), np.zeros(0)
+        # early on the window is not full yet: divide by the time actually observed
+        span = min(self.window_s, max(now - self._start, horizon_s))
+        count = len(self._arrivals) / span * horizon_s  # expected arrivals: λ H
         mean_size = self._sum / len(self._arrivals)
         sizes = np.sort(np.fromiter(self._sizes, float))
         top = max(float(sizes[-1]), 2 * (count + 4 * math.sqrt(count) + 1) * mean_size)
@@ -87,14 +90,6 @@ class DemandForecast:
         # more than k / E[X] arrivals of the mean size
         needed = np.floor(levels / max(mean_size, 1.0)).astype(int)
         return levels, np.maximum(single, _poisson_above(count, needed))
-
-    def rate(self, now: float, horizon_s: float) -> float:
-        """Arrivals per second, λ (0 before any). Early on the window is not full yet: the
-        count is divided by the time actually observed, at least `horizon_s`."""
-        self._expire(now)
-        if not self._arrivals or self._start is None:
-            return 0.0
-        return len(self._arrivals) / min(self.window_s, max(now - self._start, horizon_s))
 
     def _add(self, at: float, nbytes: float) -> None:
         self._arrivals.append((at, nbytes))
