@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
+from kvtier.tiers.vocab import FORMS, FULL
 from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
 
 if TYPE_CHECKING:
@@ -246,14 +247,10 @@ def _forms_line(tiers: dict[str, Any]) -> str | None:
     """Blocks restored per quantized form and the encodes behind them (None: none), from the
     connector's stats: what `[policy] max_accuracy_loss` let the policy choose."""
     counters = tiers.get("counters", {})
-    restored = {
-        form: counters.get(f"restored_blocks_{form}", 0)
-        for form in ("full", "int8", "int4")
-        if form == "full" or counters.get(f"restored_blocks_{form}")
-    }
-    restored["full"] = counters.get("restored_blocks", 0) - sum(
-        n for form, n in restored.items() if form != "full"
-    )
+    # the connector counts all restored blocks, and those of each lossy form apart
+    lossy = {form: counters.get(f"restored_blocks_{form}", 0) for form in FORMS if form != FULL}
+    lossy = {form: n for form, n in lossy.items() if n}
+    restored = {FULL: counters.get("restored_blocks", 0) - sum(lossy.values()), **lossy}
     recodes = tiers.get("recodes", {})
     if len(restored) == 1 and not recodes:
         return None
