@@ -45,7 +45,7 @@ from resume import recompute, restores
 from kvtier.cache import TiersConfig
 from kvtier.engine import Engine, EngineConfig
 from kvtier.models import resolve_model_dir
-from kvtier.plan.geometry import load_geometry
+from kvtier.plan.geometry import ModelGeometry
 from kvtier.sim.profile import load_profile
 from kvtier.sim.step_model import StepModel
 
@@ -265,12 +265,7 @@ def one_context(
 
 
 def predictions(args: argparse.Namespace, config: dict) -> dict:
-    folder = Path(tempfile.mkdtemp(prefix="kvtier-gpu-check-geometry-"))
-    try:
-        (folder / "config.json").write_text(json.dumps(config))
-        geometry = load_geometry(str(folder / "config.json"))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    geometry = ModelGeometry.from_hf_config(config, name="llama-3.1-8b")
     model = StepModel(load_profile(args.profile), geometry)
     chunk_bytes = CHUNK_TOKENS * geometry.bytes_per_token("bf16")
     out = {}
