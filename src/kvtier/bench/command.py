@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.tiers.vocab import FORMS, FULL
 from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
 
 if TYPE_CHECKING:
@@ -246,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
 def _forms_line(tiers: dict[str, Any]) -> str | None:
     """Blocks restored per quantized form and the encodes behind them (None: none), from the
     connector's stats: what `[policy] max_accuracy_loss` let the policy choose."""
+    # imported here: kvtier.tiers pulls in torch, and building the CLI parser must not
+    from kvtier.tiers.vocab import FORMS, FULL
+
     counters = tiers.get("counters", {})
     # the connector counts all restored blocks, and those of each lossy form apart
     lossy = {form: counters.get(f"restored_blocks_{form}", 0) for form in FORMS if form != FULL}
