@@ -2,7 +2,8 @@
 comes from the bench run), the screen says what is simulated, when the replicas cannot keep up
 and why requests failed, and flags have one spelling in --help with the old ones still taken.
 
-`data/bench-demo-2-sessions` is a real `kvtier bench` run (its `command` is in results.json)."""
+`data/bench-demo-2-sessions` is a real `kvtier bench --quick` run, as `make demo` makes one (its
+`command` is in results.json): the README's validation command runs against it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
+from kvtier.plan.units import format_bytes
 
 BENCH_RUN = Path(__file__).parent / "data" / "bench-demo-2-sessions"
+# the set-up the simulator must take from the run, as the run recorded it
+RECORDED = json.loads((BENCH_RUN / "results.json").read_text())["config"]["engine"]
 README_VALIDATE = (
     "--workload demo --hardware local-cpu --timer-after-steps --shared-prefixes "
     "--validate --against {against}"
@@ -44,17 +48,19 @@ def test_the_readme_validation_takes_the_set_up_from_the_bench_run(tmp_path, cap
     code, out, err = simulate(capsys, *readme_validation(tmp_path, bench_results))
     assert code == 0, err
     taken = next(line for line in out.splitlines() if line.startswith("set up like"))
-    for flag in ("--model smollm2-135m", "--gpus 1", "--device-kv-bytes 67108864",
+    for flag in ("--model smollm2-135m", "--gpus 1",
+                 f"--device-kv-bytes {RECORDED['kv_cache_bytes']}",
                  "--max-num-batched-tokens 512", "--max-num-seqs 8", "--policies offload",
-                 "--workload-set sessions=2", f"--lengths-from {bench_results}"):  # fmt: skip
+                 f"--lengths-from {bench_results}"):  # fmt: skip
         assert flag in taken
     assert "--hardware" not in taken and "--workload " not in taken  # given: kept
     assert "warning: not set up like" not in out  # nothing differs from the bench run
     assert "offload: simulated vs measured" in out
     config = json.loads((tmp_path / "sim" / "results.json").read_text())["config"]
     assert (config["model"], config["hardware"], config["gpus"]) == ("smollm2-135m", "local-cpu", 1)
-    assert config["device_kv_bytes"] == 64 * 2**20 and config["tier_bytes"] == {"host": 2**30}
-    assert config["max_batched_tokens"] == 512 and config["workload_set"] == ["sessions=2"]
+    assert config["device_kv_bytes"] == RECORDED["kv_cache_bytes"]
+    assert config["tier_bytes"] == {"host": RECORDED["tiers"]["host_bytes"]}
+    assert config["max_batched_tokens"] == 512 and config["workload_set"] == []
     assert (tmp_path / "sim" / "validation.json").is_file()
 
 
@@ -82,10 +88,11 @@ def test_the_screen_says_what_is_simulated(tmp_path, capsys, bench_results):
     setup = out[out.index("simulating") :]
     assert setup.startswith("simulating smollm2-135m (23.0 KB of bf16 KV per token) on 1 x ")
     assert "local-cpu, 1 replica of tensor parallel 1" in setup
-    assert "device KV pool 67.1 MB" in setup and "host 1.07 GB, disk none, remote none" in setup
+    assert f"device KV pool {format_bytes(RECORDED['kv_cache_bytes'])} " in setup
+    assert "host 1.07 GB, disk none, remote none" in setup
     assert "8 running requests, 512 tokens per step, chunks of 256 tokens" in setup
     assert "policy timer: after steps; shared prefixes: on" in setup
-    # the demo preset's 6 requests (the stored bench run replayed 5 of an older demo)
+    # the demo preset's 6 requests, as the stored bench run replayed them
     assert "6 requests in 2 conversations" in setup and "policies: offload" in setup
     assert "overloaded" not in out and "failed" not in out.split("### Policies")[0]
 
