@@ -191,6 +191,11 @@ class TierBackend(ABC):
 
     # -- layer reads (the layer-wise pipelined restore, docs/tiers.md) --------------------
 
+    @property
+    def layered(self) -> bool:
+        """Whether this tier writes layered records (and so may serve `read_layer`)."""
+        return False
+
     def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
         """For each (key, namespace), the head of its record when it is a layered record this
         tier can serve a layer at a time (`RecordCodec.accepts`), else None: read it whole.

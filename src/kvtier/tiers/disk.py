@@ -207,6 +207,10 @@ class DiskTier(TierBackend):
     def _contains(self, key: bytes, namespace: str) -> bool:
         return (namespace, key) in self._index
 
+    @property
+    def layered(self) -> bool:
+        return self._codec.layered
+
     def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
         with self._lock:
             locs = [self._index.get((namespace, key)) for key, namespace in keys]

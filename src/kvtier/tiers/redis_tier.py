@@ -209,6 +209,10 @@ class RedisTier(TierBackend):
             for key, result in zip(keys, results, strict=True)
         ]
 
+    @property
+    def layered(self) -> bool:
+        return self._codec.layered
+
     def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
         """One pipeline: each value's first `_HEAD_PROBE` bytes (GETRANGE) and, as GETEX does
         for a whole read, its TTL refreshed."""
