@@ -85,8 +85,8 @@ class DiskTier(TierBackend):
             (GMAC); at most one. Tombstones are neither: a forged one can only delete.
         layered: write full-precision chunks as layered records (record.py), read back a
             layer at a time by the pipelined restore; not with sealing or signing, nor under
-            O_DIRECT (whose reads move whole pages, where a layer of a chunk is 48 of them
-            scattered over 16 blocks: kept to whole-record reads).
+            O_DIRECT (every iovec would have to be page-aligned in memory and length, which
+            not every model's layer slices are: those tiers keep whole-record reads).
         """
         super().__init__(name)
         if capacity_bytes < 4 * HEADER_BYTES:
