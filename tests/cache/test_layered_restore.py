@@ -181,3 +181,32 @@ def test_records_written_before_restore_whole(engine, tmp_path):
     assert connector.counters["restored_chunks_layered"] == 0
     assert connector.counters["restored_chunks"] == 6
     assert_no_leak(engine)
+
+
+def test_layer_past_the_deadline_is_not_used(engine, tmp_path, own_redis):
+    """A Redis that freezes while the layers come: the forward stops waiting at the restore
+    deadline and goes on, so the layers it read unverified are thrown away with the step."""
+    sessions = Sessions(engine)
+    refs = sessions.references()
+    tiers = layered("remote", tmp_path, own_redis.url, restore_deadline_s=0.2, redis_timeout_s=1.0)
+    connector = attach_connector(engine, tiers, "offload")
+    sessions.run_firsts()
+    assert connector.flush(timeout=30)
+    remote = connector.store.tiers["remote"]
+    read_layer = remote.read_layer
+
+    def freezes_before_layer_5(items, layer: int) -> list[bool]:
+        if layer == 5:
+            own_redis.pause()
+        return read_layer(items, layer)
+
+    remote.read_layer = freezes_before_layer_5
+    try:
+        results = sessions.finish(sessions.add_seconds())
+    finally:
+        own_redis.resume()
+    for name, (tokens, final) in results.items():
+        assert tokens == refs[name]
+        assert final.metrics.prompt_token_sources["remote"] == 0
+    assert connector.counters["restore_late"] == 6
+    assert_no_leak(engine)
