@@ -55,6 +55,20 @@ def test_flags_override_settings_override_the_file(tmp_path: Path):
     assert (tiers.host_bytes, tiers.chunk_tokens) == (2 << 20, 32)
 
 
+def test_the_restore_pipeline_from_the_table_or_its_flag(tmp_path: Path):
+    import argparse
+
+    from kvtier.server.tier_flags import add_tier_arguments, tier_overrides
+
+    path = write(tmp_path, '[tiers]\nrestore_pipeline = "layer"\n')
+    assert load_tiers(path).restore_pipeline == "layer"
+    assert load_tiers(None).restore_pipeline == "chunk"  # the default
+    parser = argparse.ArgumentParser()
+    add_tier_arguments(parser)
+    flags = tier_overrides(parser.parse_args(["--restore-pipeline", "chunk"]))
+    assert load_tiers(path, overrides=flags).restore_pipeline == "chunk"
+
+
 def test_defaults_host_from_the_machine_and_nothing_else():
     tiers = load_tiers(None)
     assert tiers is not None
@@ -86,6 +100,7 @@ def test_a_key_file_gives_the_master_key(tmp_path: Path):
         ("encrypt = true", "tiers.encrypt (from {path}): needs tiers.encrypt_key_file"),
         ("create_key = true", "tiers.create_key (from {path}): needs tiers.encrypt_key_file"),
         ('restore = "sometimes"', "tiers.restore must be load, plan or recompute"),
+        ('restore_pipeline = "token"', "tiers.restore_pipeline must be chunk or layer"),
         ("tiers = 1", "tiers.tiers (from {path}): unknown key"),
     ],
 )

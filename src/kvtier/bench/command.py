@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="copy each finished turn's full chunks to the top tier at once; `selective`: "
         "only the chunks its prompt reused (docs/cache.md)",
     )
+    eng.add_argument(
+        "--restore-pipeline",
+        choices=("chunk", "layer"),
+        default="chunk",
+        help="restore disk chunks whole before the forward (chunk, default) or a layer at a "
+        "time beside it (layer; docs/tiers.md)",
+    )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     batched = eng.add_argument(
         "--max-num-batched-tokens", type=int, default=512, help="tokens per step (512)"
@@ -172,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
         "num_threads": 1 if args.quick and args.threads is None else args.threads,
         "session_resume_after_s": args.resume_after,
     }
-    tiers = engines.tiers_config(host_bytes, disk_bytes, args.disk_path, args.write_through)
+    tiers = engines.tiers_config(
+        host_bytes, disk_bytes, args.disk_path, args.write_through, args.restore_pipeline
+    )
     compression, compression_note = _compression(args, workload, kv_bytes)
     base["compression"] = compression
     profile = engines.check_and_measure(base, requests, args.max_output_tokens)

@@ -24,7 +24,11 @@ def validate_policies(names: Sequence[str]) -> None:
 
 
 def tiers_config(
-    host_bytes: int, disk_bytes: int, disk_dir: str | None, write_through: bool | str = False
+    host_bytes: int,
+    disk_bytes: int,
+    disk_dir: str | None,
+    write_through: bool | str = False,
+    restore_pipeline: str = "chunk",
 ) -> TiersConfig | None:
     """The engine's tier settings (None: device only)."""
     if host_bytes <= 0 and disk_bytes <= 0:
@@ -34,7 +38,11 @@ def tiers_config(
     if disk_bytes and not disk_dir:
         raise KvtierError("--disk-bytes needs --disk-path (the disk tier's folder)")
     return TiersConfig(
-        host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=disk_dir, write_through=write_through
+        host_bytes=host_bytes,
+        disk_bytes=disk_bytes,
+        disk_dir=disk_dir,
+        write_through=write_through,
+        restore_pipeline=restore_pipeline,  # type: ignore[arg-type]  # argparse's choices
     )
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
 
 RestoreMode = Literal["load", "plan", "recompute"]
+RestorePipeline = Literal["chunk", "layer"]
 WriteThrough = bool | Literal["selective"]
 Integrity = Literal["mac", "encrypt", "none"]
 
@@ -52,6 +53,12 @@ class TiersConfig:
     ("full", "int8", "int4"; see docs/cache.md "Forms"). A tier not listed keeps the form of
     the tier above it (the top tier: "full"); a tier may not be more precise than the one
     above it. Chunks are encoded on the mover's worker as they enter the tier.
+    `restore_pipeline`: "chunk" restores every chunk whole before the forward that uses it;
+    "layer" writes full-precision chunks to disk and Redis as layered records (one checksum
+    per layer) and restores them a layer at a time while the forward runs (the forward waits
+    for layer i, verified, before layer i's attention): docs/tiers.md, "Layer-wise pipelined
+    restore". Sealed or signed records, quantized forms, the host tier, O_DIRECT disk tiers
+    and engines whose forward does not wait per layer (vLLM) keep the whole-chunk path.
     `encrypt` seals disk and remote records with `encrypt_key` (AES-GCM; a random per-process
     key without one). `integrity`, how the remote tier protects its values: "encrypt"
     (sealed), "mac" (signed with `encrypt_key`: readable, but nobody without the key can
@@ -75,6 +82,7 @@ class TiersConfig:
     integrity: Integrity | None = None
     restore: RestoreMode = "load"
     restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
+    restore_pipeline: RestorePipeline = "chunk"
     prefetch: bool = True  # start loads when a request is queued
     spill_on_evict: bool | None = None
     write_through: WriteThrough = False
@@ -111,6 +119,10 @@ class TiersConfig:
             )
         if self.restore not in ("load", "plan", "recompute"):
             raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
+        if self.restore_pipeline not in ("chunk", "layer"):
+            raise KvtierError(
+                f"tiers.restore_pipeline must be chunk or layer: {self.restore_pipeline!r}"
+            )
         if not self.restore_deadline_s >= 0:
             raise KvtierError("tiers.restore_deadline_s must be >= 0")
         if self.disk_backend not in DISK_BACKENDS:
@@ -130,8 +142,9 @@ class TiersConfig:
         self._check_forms()
         self._check_integrity()
 
-    def storage(self, host_slot_bytes: int | None = None) -> StorageConfig:
-        """What `kvtier.tiers.factory.build_tiers` needs to build these tiers."""
+    def storage(self, host_slot_bytes: int | None = None, layered: bool = False) -> StorageConfig:
+        """What `kvtier.tiers.factory.build_tiers` needs to build these tiers (`layered`:
+        disk and Redis write layered records, for a pipelined restore)."""
         return StorageConfig(
             host_bytes=self.host_bytes,
             host_slot_bytes=host_slot_bytes,
@@ -147,6 +160,7 @@ class TiersConfig:
             redis_timeout_s=self.redis_timeout_s,
             remote_integrity=self.remote_integrity(),
             key=self.encrypt_key,
+            layered=layered,
         )
 
     def remote_integrity(self) -> Integrity:

@@ -84,7 +84,12 @@ class TieredConnector:
         self.bytes_per_block = self.chunk_forms.nbytes(1, FULL)
         forms = config.tier_forms()
         slot = self.chunk_forms.nbytes(1, forms["host"])
-        tiers = build_tiers(config.storage(host_slot_bytes=slot))
+        # Layered records only where they will be read a layer at a time: this engine's
+        # forward waits per layer (`layer_ready`), and the pipeline is asked for.
+        layered = config.restore_pipeline == "layer" and context.layer_hook
+        if config.restore_pipeline == "layer" and not layered:
+            log.info("restore_pipeline='layer': this engine restores whole chunks (no layer hook)")
+        tiers = build_tiers(config.storage(host_slot_bytes=slot, layered=layered))
         # tier -> the quantized form its chunks are stored in (the worker encodes on the way in)
         self.tier_forms = {t.name: forms[t.name] for t in tiers if forms[t.name] != FULL}
         self.store = TieredStore(
@@ -122,6 +127,7 @@ class TieredConnector:
             self.counters,
             self.tokens,
         )
+        self.restorer.layered = layered
 
     # ----- what the policy runner and tools use ------------------------------------------
 
@@ -209,6 +215,12 @@ class TieredConnector:
 
     def wait_for_loads(self) -> dict[str, int]:
         return self.restorer.run_loads()
+
+    def layer_ready(self, layer: int) -> None:
+        self.restorer.layer_ready(layer)
+
+    def finish_layer_loads(self) -> dict[str, int]:
+        return self.restorer.finish_layer_loads()
 
     def after_step(self) -> None:
         self.writes.reap()

@@ -16,6 +16,11 @@ The scheduler side of the connector contract (`kvtier.engine.connector`), for lo
   (waited for until the deadline), from the staged bytes of a write in flight, or from a load
   now; it is checked and written through the pool's block port. A missing, corrupt or late
   chunk fails its request from that block on (the engine recomputes from there).
+- With the layer-wise pipelined restore (`layered`: `restore_pipeline = "layer"` and an
+  engine whose forward calls `layer_ready`), the jobs whose chunk is a layered record in a
+  disk or Redis tier are not read in `run_loads` but handed to a `LayerLoader` that fills
+  them a layer at a time beside the forward; `finish_layer_loads`, after the forward, names
+  the requests whose step must be thrown away (a layer failed or came late).
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import torch
 from kvtier.cache.chunks import Chunks
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.forms import ChunkForms, Restored
+from kvtier.cache.layers import LayerJob, LayerLoader
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, Mover, Payload, TieredStore
+from kvtier.tiers.payload import as_buffer
 from kvtier.tiers.vocab import DEVICE, FULL, RECOMPUTED, SOURCES
 
 if TYPE_CHECKING:
@@ -53,6 +60,15 @@ class _Job(NamedTuple):
     request: Request
     load: Load
     block_ids: list[int]
+
+
+class _Fill(NamedTuple):
+    """Blocks [first, first + blocks) of a request filled this step from `tier`."""
+
+    request: Request
+    tier: str
+    first: int
+    blocks: int
 
 
 class Restorer:
@@ -83,6 +99,11 @@ class Restorer:
         self._loaded: dict[str, Counter[str]] = {}  # request id -> blocks loaded per tier
         self._accounted: set[str] = set()  # requests whose sources are on their metrics
         self._shared = bool(store.shared_tiers)  # e.g. Redis under several replicas
+        # The layer-wise pipelined restore: set by the connector when it is configured and
+        # the engine's forward calls `layer_ready`.
+        self.layered = False
+        self._loader: LayerLoader | None = None
+        self._fills: list[_Fill] = []  # this step's, to undo what a failed layer discards
 
     # ----- scheduler side --------------------------------------------------------------
 
@@ -120,7 +141,11 @@ class Restorer:
         if self.chunks.writes.staged(chunk_id) is not None:
             return False
         placement = self.store.locate(chunk_id)
-        return placement is not None and not self.store.tiers[placement.tier].in_memory
+        if placement is None:
+            return False
+        tier = self.store.tiers[placement.tier]
+        # A layered chunk is read a layer at a time beside the forward instead.
+        return not tier.in_memory and not (self.layered and tier.layered and placement.form == FULL)
 
     def loadable(self, request: Request, num_computed_tokens: int) -> int:
         rid = request.request_id
@@ -226,13 +251,16 @@ class Restorer:
     # ----- worker side -----------------------------------------------------------------
 
     def run_loads(self) -> dict[str, int]:
-        """This step's loads, in order; request id -> its first block not filled."""
+        """This step's loads, in order; request id -> its first block not filled. Layered
+        chunks (`layered`) start loading a layer at a time after the others are in."""
         jobs, self._jobs = self._jobs, []
+        self._fills = []
+        pipelined = self._layer_jobs(jobs) if self.layered else {}
         failed: dict[str, int] = {}
         for request, load, ids in jobs:
             rid = request.request_id
-            if rid in failed:
-                continue  # recomputed from the failed block on
+            if rid in failed or id(load) in pipelined:
+                continue  # recomputed from the failed block on, or read beside the forward
             if not self._fill(request, load, ids):
                 failed[rid] = load.first
                 self.counters["restore_failures"] += 1
@@ -240,7 +268,124 @@ class Restorer:
         for rid in {job.request.request_id for job in jobs}:
             if rid not in self._plans:
                 self._forget_prefetch(rid)
+        self._start_layers(jobs, pipelined, failed)
         return failed
+
+    # ----- the layer-wise pipelined restore --------------------------------------------
+
+    def _layer_jobs(self, jobs: list[_Job]) -> dict[int, LayerJob]:
+        """Which of this step's jobs load a layer at a time (by `id(load)`): a whole chunk in
+        full precision, in a tier holding it as a layered record (its head read now: one
+        Redis round trip for all of a tier's), with no prefetch or staged bytes to serve it
+        already, into blocks the pool lends as they are (`block_view`: a CPU pool)."""
+        candidates: dict[str, list[tuple[_Job, list[torch.Tensor], str]]] = {}
+        for job in jobs:
+            chunk = job.load.chunk
+            assert chunk is not None
+            placement = self.store.locate(chunk.id)
+            prefetch = self._prefetches.get(job.request.request_id)
+            if (
+                placement is None
+                or placement.form != FULL
+                or not self.store.tiers[placement.tier].layered
+                or job.load.end - job.load.first != len(chunk.keys)
+                or job.load.first % self.chunks.blocks_per_chunk
+                or (prefetch is not None and chunk.id in prefetch[1])
+                or self.chunks.writes.staged(chunk.id) is not None
+            ):
+                continue
+            # each block on its own: a chunk's blocks need not be adjacent in the pool
+            views = [self.chunks.port.block_view([block_id]) for block_id in job.block_ids]
+            if all(view is not None for view in views):
+                candidates.setdefault(placement.tier, []).append((job, views, placement.namespace))
+        pipelined: dict[int, LayerJob] = {}
+        for name, entries in candidates.items():
+            tier = self.store.tiers[name]
+            keys = [(job.load.chunk.id, ns) for job, _, ns in entries]  # type: ignore[union-attr]
+            for (job, views, ns), head in zip(entries, tier.layer_heads(keys), strict=True):
+                if head is None:
+                    continue  # an older record, or gone: read whole, as before
+                pipelined[id(job.load)] = LayerJob(
+                    job.request.request_id,
+                    job.load.first,
+                    tier,
+                    head.key,
+                    ns,
+                    head,
+                    [as_buffer(view.view(torch.uint8).view(-1)) for view in views],
+                )
+        return pipelined
+
+    def _start_layers(
+        self, jobs: list[_Job], pipelined: dict[int, LayerJob], failed: dict[str, int]
+    ) -> None:
+        """Start the loader on the layered jobs of requests that have not failed before
+        them (a request recomputes from its first failure: nothing after it may load)."""
+        started = []
+        for request, load, ids in jobs:
+            job = pipelined.get(id(load))
+            if job is None or failed.get(request.request_id, len(request.token_ids)) <= load.first:
+                continue
+            started.append(job)
+            tier = job.tier.name
+            for block_id in ids:
+                self.chunks.block_pool.set_form(block_id, FULL)
+            self._count_loaded(request, tier, len(ids))  # undone if a layer fails
+            self._fills.append(_Fill(request, tier, load.first, len(ids)))
+        if started:
+            num_layers = self.chunks.port.block_shape[0]
+            self._loader = LayerLoader(started, num_layers, self.config.restore_deadline_s)
+
+    def layer_ready(self, layer: int) -> None:
+        if self._loader is not None:
+            self._loader.wait(layer)
+
+    def finish_layer_loads(self) -> dict[str, int]:
+        """After the forward: the loader joined; request id -> first block of its first
+        chunk whose layers failed or came late. Those requests' step is thrown away and
+        they recompute from there (what they loaded from there on is counted recomputed)."""
+        loader, self._loader = self._loader, None
+        if loader is None:
+            return {}
+        failed_jobs, late = loader.finish()
+        failed: dict[str, int] = {}
+        for job in failed_jobs:
+            failed[job.request_id] = min(job.first, failed.get(job.request_id, job.first))
+            self.counters["restore_failures"] += 1
+            self.counters["restore_layer_failures"] += 1
+            if late:
+                self.counters["restore_late"] += 1
+            else:
+                self.store.delete(job.key)  # as a whole read that failed: forgotten
+        bad = {id(job) for job in failed_jobs}
+        for job in loader.jobs:
+            if id(job) in bad or failed.get(job.request_id, job.first + 1) <= job.first:
+                continue
+            self.counters["restored_chunks"] += 1
+            self.counters["restored_chunks_layered"] += 1
+            self.counters["restored_blocks"] += len(job.blocks)
+            self.counters[f"restored_blocks_{job.tier.name}"] += len(job.blocks)
+        for fill in self._fills:
+            first_bad = failed.get(fill.request.request_id)
+            if first_bad is not None and fill.first >= first_bad:
+                self._uncount(fill.request, fill.tier, fill.blocks)
+        for rid in failed:
+            self._plans.pop(rid, None)  # the prefill recomputes everything after it
+            self._forget_prefetch(rid)
+        return failed
+
+    def _uncount(self, request: Request, tier: str, blocks: int) -> None:
+        """Blocks counted as loaded from `tier` that a failed layer made recomputed."""
+        n = blocks * self.block_size
+        sources = request.metrics.prompt_token_sources
+        if request.request_id not in self._accounted or sources is None:
+            self._loaded.get(request.request_id, Counter())[tier] -= blocks
+            return
+        if sources.get(tier, 0) >= n:
+            sources[tier] -= n
+            sources[RECOMPUTED] = sources.get(RECOMPUTED, 0) + n
+            self.tokens[tier] -= n
+            self.tokens[RECOMPUTED] += n
 
     def _fill(self, request: Request, load: Load, block_ids: list[int]) -> bool:
         chunk = load.chunk
@@ -262,6 +407,7 @@ class Restorer:
             # a block restored lossy is never "exact"
             self.chunks.block_pool.set_form(block_id, loaded.form)
         n = len(block_ids)
+        self._fills.append(_Fill(request, tier, load.first, n))
         self.counters["restored_chunks"] += 1
         self.counters["restored_blocks"] += n
         self.counters[f"restored_blocks_{tier}"] += n

@@ -7,8 +7,10 @@ core (kvtier.cache) can sit behind this engine and, later, behind vLLM:
     --------------                          -------------------------------------
     on_request_added     queued             start_loads      begin this step's loads
     num_loadable_tokens  what it can give   wait_for_loads   -> {request: first bad block}
-    next_load_position   where to stop      after_step       saves reaped, policy timer
-    on_blocks_allocated  blocks to fill     (block events: BlockEventListener, the saves)
+    next_load_position   where to stop      layer_ready(i)   in the forward, before layer i
+    on_blocks_allocated  blocks to fill     finish_layer_loads -> {request: first bad block}
+                                            after_step       saves reaped, policy timer
+                                            (block events: BlockEventListener, the saves)
     on_admitted          sources counted
     on_preempted         before release
     on_request_finished  before release
@@ -22,9 +24,16 @@ Ownership, and what happens on failure:
   Loaded blocks enter the prefix cache the way computed ones do: after the step that counts
   them as computed.
 - **Loads finish within the step**: the engine calls `start_loads` and `wait_for_loads`
-  before the forward pass (so `num_loadable_tokens` is never asynchronous here; overlapping
-  loads with the forward, layer by layer, first needs records verifiable per layer: see
-  docs/tiers.md, "Layer-wise pipelined restore").
+  before the forward pass (so `num_loadable_tokens` is never asynchronous here). Loads the
+  connector overlaps with the forward, layer by layer (an engine that says so with
+  `EngineContext.layer_hook`), finish within the forward: it calls `layer_ready(i)` before
+  layer i's attention reads the pool, which returns once layer i of every such load is in
+  the blocks and verified, or failed, or late; nothing unverified is reported ready.
+  After the forward the engine calls `finish_layer_loads` (also when the forward raised):
+  the connector's loads have stopped writing, and the requests it names had a layer fail or
+  come late, so their step is thrown away (no token sampled, the new KV not counted) and
+  they recompute from the named block in the next step; the other requests of the batch
+  are unaffected. See docs/tiers.md, "Layer-wise pipelined restore".
 - **A load that fails** (missing, late, corrupt, forged) is reported by `wait_for_loads`
   as the first block index of that request that was not filled. The engine rolls the request
   back to that block: it is recomputed from there, so a failing tier costs time, never
@@ -117,6 +126,9 @@ class EngineContext:
     kv_quant: str | None
     sessions: SessionTracker
     queue: Callable[[], QueueDemand]
+    # The forward calls `KVConnector.layer_ready` before each layer's attention and the
+    # engine `finish_layer_loads` after it: loads may overlap the forward layer by layer.
+    layer_hook: bool = False
 
 
 @runtime_checkable
@@ -172,6 +184,17 @@ class KVConnector(BlockEventListener, Protocol):
     def wait_for_loads(self) -> dict[str, int]:
         """Wait for this step's loads: request id -> index of its first block that was not
         filled (the engine recomputes from there). Requests fully loaded are absent."""
+        ...
+
+    def layer_ready(self, layer: int) -> None:
+        """In the forward, before layer `layer`'s attention reads the pool: return when that
+        layer of every load overlapping this step's forward is written and verified, failed,
+        or past the deadline. Immediate when nothing overlaps."""
+        ...
+
+    def finish_layer_loads(self) -> dict[str, int]:
+        """After the forward (also a failed one): the overlapping loads stopped; request id
+        -> first block not filled, for requests whose step the engine must throw away."""
         ...
 
     def after_step(self) -> None:

@@ -39,7 +39,7 @@ from kvtier.engine.llama import LlamaConfig, LlamaModel, load_weights
 from kvtier.engine.outputs import EngineStats, GenerationOutput, RequestOutput, ScoreOutput
 from kvtier.engine.quant_pool import QuantizedKVPool
 from kvtier.engine.request import FinishReason, Request
-from kvtier.engine.runner import ModelRunner
+from kvtier.engine.runner import ModelRunner, StepResult
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sessions import SessionTracker
@@ -149,6 +149,7 @@ class Engine:
             kv_quant=self.config.kv_quant,
             sessions=self.sessions,
             queue=lambda: QueueDemand(self.scheduler.waiting),
+            layer_hook=True,  # the forward calls layer_ready (ModelRunner.execute)
         )
 
     # ----- hooks -------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class Engine:
                     failed.append(self._fail(request, "admitting it"))
             outputs = [self._output(r, [], finished=True) for r in sched.finished] + failed
             try:
-                self._forward_and_sample(sched.scheduled, outputs)
+                self._forward_and_sample(sched, outputs)
             finally:
                 # Also when the batch failed: these requests have already left the scheduler,
                 # so `fail_all` would not reach their streams.
@@ -322,24 +323,38 @@ class Engine:
         admitted = {r.request_id for r in sched.admitted}
         for request, _ in sched.scheduled:
             first_bad = failed.get(request.request_id)
-            if first_bad is None:
-                continue
-            position = first_bad * self.config.block_size
-            if position >= request.num_computed_tokens:
-                continue
-            if request.request_id in admitted and request.num_cached_tokens > position:
-                self.kv_manager.prefix_hits -= request.num_cached_tokens - position
-                request.num_cached_tokens = position
-            request.num_computed_tokens = position
+            if first_bad is not None:
+                self._roll_back(request, first_bad, request.request_id in admitted)
 
-    def _forward_and_sample(
-        self, scheduled: list[tuple[Request, int]], outputs: list[RequestOutput]
-    ) -> None:
+    def _roll_back(self, request: Request, first_bad: int, admitted: bool) -> None:
+        """Make a request compute again from block `first_bad` (a load there failed)."""
+        position = first_bad * self.config.block_size
+        if position >= request.num_computed_tokens:
+            return
+        if admitted and request.num_cached_tokens > position:
+            self.kv_manager.prefix_hits -= request.num_cached_tokens - position
+            request.num_cached_tokens = position
+        request.num_computed_tokens = position
+
+    def _forward(self, scheduled: list[tuple[Request, int]]) -> tuple[StepResult, dict[str, int]]:
+        """The model's step, with the connector's layer-by-layer loads beside it; the
+        requests whose overlapped loads failed (their step is to be thrown away)."""
+        if self.connector is None:
+            return self.runner.execute(scheduled), {}
+        try:
+            result = self.runner.execute(scheduled, layer_ready=self.connector.layer_ready)
+        finally:
+            discarded = self.connector.finish_layer_loads()  # no load writes after this
+        return result, discarded
+
+    def _forward_and_sample(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         # A request failed at admission has given its blocks back: the forward must skip it.
-        scheduled = [(r, n) for r, n in scheduled if not r.is_finished]
+        scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]
         if not scheduled:
             return
-        result = self.runner.execute(scheduled)
+        result, discarded = self._forward(scheduled)
+        if discarded:
+            scheduled = self._discard(sched, scheduled, discarded)
         for request, n in scheduled:
             try:
                 request.num_computed_tokens += n
@@ -347,7 +362,11 @@ class Engine:
                 self._after_forward(request)
             except Exception:
                 outputs.append(self._fail(request, "storing its KV"))
-        live = [(row, r) for row, r in enumerate(result.sampled) if not r.is_finished]
+        live = [
+            (row, r)
+            for row, r in enumerate(result.sampled)
+            if not r.is_finished and r.request_id not in discarded
+        ]
         tokens = self._sample_all(result.logits, live)
         for (row, request), token_id in zip(live, tokens, strict=True):
             try:
@@ -361,6 +380,27 @@ class Engine:
                 outputs.append(self._accept_token(request, token_id))
             except Exception:
                 outputs.append(self._fail(request, "sampling its next token"))
+
+    def _discard(
+        self,
+        sched: SchedulerOutput,
+        scheduled: list[tuple[Request, int]],
+        discarded: dict[str, int],
+    ) -> list[tuple[Request, int]]:
+        """Throw away the step of requests a layer of whose restore failed mid-forward: no
+        token, the new KV not counted (nor its prompt logits), computed again from the
+        failed block next step. The rest of the batch goes on."""
+        admitted = {r.request_id for r in sched.admitted}
+        kept = []
+        for request, n in scheduled:
+            first_bad = discarded.get(request.request_id)
+            if first_bad is None:
+                kept.append((request, n))
+                continue
+            if request.return_prompt_logits:
+                request.prompt_logits.pop()  # this step's rows
+            self._roll_back(request, first_bad, request.request_id in admitted)
+        return kept
 
     def _sample_all(
         self, logits: torch.Tensor, live: list[tuple[int, Request]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,12 @@ class LlamaModel:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        layer_ready: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run one step; return float32 logits of the rows `logits_indices` only."""
+        """Run one step; return float32 logits of the rows `logits_indices` only.
+
+        layer_ready: called with i before layer i's attention reads the KV pool, so that a
+            restore filling the pool layer by layer can run beside the layers before it."""
         cfg = self.config
         n = input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
@@ -268,6 +273,8 @@ class LlamaModel:
             q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer_ready is not None:
+                layer_ready(layer_idx)
             h = h + w.o(self.attention(layer_idx, q, k, v, meta))
             x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)

@@ -11,6 +11,7 @@ Per step, with the loops over requests (never over tokens of a decode):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,13 @@ class ModelRunner:
         self.group = model.config.num_heads // model.config.num_kv_heads
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Request, int]]) -> StepResult:
+    def execute(
+        self,
+        batch: list[tuple[Request, int]],
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """`layer_ready(i)`: called before layer i's attention reads the pool (loads that
+        overlap the forward, `KVConnector.layer_ready`)."""
         decodes = [r for r, n in batch if n == 1]
         prefills = [(r, n) for r, n in batch if n > 1]
         input_ids: list[int] = []
@@ -100,6 +107,7 @@ class ModelRunner:
             pos_all.to(self.device),
             meta,
             torch.tensor(logit_rows.rows(), dtype=torch.long, device=self.device),
+            layer_ready,
         )
         offset = len(logit_rows.sample_rows)
         for r, a, b in logit_rows.score_spans:

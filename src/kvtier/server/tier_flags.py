@@ -55,6 +55,12 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "the chunks its prompt reused (replicas: see docs)",
     )
     group.add_argument(
+        "--restore-pipeline",
+        choices=("chunk", "layer"),
+        help="restore disk and Redis chunks whole before the forward (chunk, the default) "
+        "or a layer at a time beside it (layer; docs/tiers.md)",
+    )
+    group.add_argument(
         "--tiers-set",
         metavar="KEY=VALUE",
         action="append",
@@ -76,5 +82,6 @@ def tier_overrides(args: argparse.Namespace) -> dict[str, object]:
         "encrypt_key_file",
         "create_key",
         "write_through",
+        "restore_pipeline",
     )
     return {key: getattr(args, key) for key in keys}

@@ -19,11 +19,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvtier.tiers.histogram import LatencyHistogram
 from kvtier.tiers.payload import Payload
+
+if TYPE_CHECKING:
+    from kvtier.tiers.record import RecordHead
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,17 @@ class RejectedRecord(TierError):
     otherwise than this tier is (sealed, signed, neither) or by a newer format. Others may
     read it, so it is a miss here and stays where it is: one misconfigured reader must not
     delete what the rest use."""
+
+
+class LayerRead(NamedTuple):
+    """One chunk's share of a layer read: its layered record's `head` (from `layer_heads`)
+    and `slabs`, where the layer's bytes go, one writable buffer per block in body order
+    (the device blocks' slices of that layer)."""
+
+    key: bytes
+    namespace: str
+    head: RecordHead
+    slabs: list[memoryview]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +188,25 @@ class TierBackend(ABC):
         one batched, timeout-bounded call. Never raises: a failure finds nothing. Tiers only
         this process writes have nothing to add to the store's index."""
         return [None] * len(keys)
+
+    # -- layer reads (the layer-wise pipelined restore, docs/tiers.md) --------------------
+
+    @property
+    def layered(self) -> bool:
+        """Whether this tier writes layered records (and so may serve `read_layer`)."""
+        return False
+
+    def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
+        """For each (key, namespace), the head of its record when it is a layered record this
+        tier can serve a layer at a time (`RecordCodec.accepts`), else None: read it whole.
+        Tiers without layered records (host: a memory copy has nothing to overlap) have none."""
+        return [None] * len(keys)
+
+    def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
+        """Read layer `layer` of each item's record into its slabs and verify it against the
+        layer's own checksum; False where it is missing, short, damaged or failed (the slabs
+        may then hold anything and must not be used). Never raises."""
+        return [False] * len(items)
 
     def close(self) -> None:  # noqa: B027 (optional hook: volatile tiers hold nothing to release)
         """Release files, memory and connections."""

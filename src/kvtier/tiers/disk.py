@@ -21,14 +21,16 @@ import fcntl
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 
 import torch
 
-from kvtier.tiers.base import CorruptRecord, TierBackend, TierEntry, TierError
+from kvtier.tiers.base import CorruptRecord, LayerRead, TierBackend, TierEntry, TierError
 from kvtier.tiers.crypto import Sealer, Signer
-from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer
+from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer, empty_bytes
 from kvtier.tiers.record import (
     FLAG_SEALED,
     RecordCodec,
@@ -36,6 +38,7 @@ from kvtier.tiers.record import (
     align_up,
     deliver,
     parse_head,
+    verify_layer,
 )
 from kvtier.tiers.segment import (
     DIRECT_ALIGN,
@@ -70,6 +73,7 @@ class DiskTier(TierBackend):
         sealer: Sealer | None = None,
         signer: Signer | None = None,
         compact_below: float = 0.25,
+        layered: bool = False,
         name: str = "disk",
     ) -> None:
         """
@@ -79,6 +83,10 @@ class DiskTier(TierBackend):
             falls back to buffered I/O, with a log line, where the filesystem refuses it.
         sealer, signer: encrypt and authenticate records (AES-GCM) or only authenticate them
             (GMAC); at most one. Tombstones are neither: a forged one can only delete.
+        layered: write full-precision chunks as layered records (record.py), read back a
+            layer at a time by the pipelined restore; not with sealing or signing, nor under
+            O_DIRECT (every iovec would have to be page-aligned in memory and length, which
+            not every model's layer slices are: those tiers keep whole-record reads).
         """
         super().__init__(name)
         if capacity_bytes < 4 * HEADER_BYTES:
@@ -91,7 +99,7 @@ class DiskTier(TierBackend):
         )
         self.persist = persist
         self.compact_below = compact_below
-        self._codec = RecordCodec(sealer, signer)
+        self._codec = RecordCodec(sealer, signer, layered=layered)
         # Reentrant: used_bytes is read both by callers and from inside locked operations.
         self._lock = threading.RLock()
         self._bounce = AlignedBuffer()
@@ -99,6 +107,8 @@ class DiskTier(TierBackend):
         self.direct = direct and _direct_io_works(self.directory, self._bounce)
         if direct and not self.direct:
             log.info("%s: O_DIRECT refused by the filesystem; using buffered I/O", self.directory)
+        if self.direct:
+            self._codec.layered = False
         self._segments: dict[int, Segment] = {}  # oldest first
         self._active: Segment | None = None
         self._index: dict[tuple[str, bytes], _Loc] = {}
@@ -168,6 +178,15 @@ class DiskTier(TierBackend):
             raw = segment.read(loc.offset, head.record_len, self._bounce)
             _check_same(raw, head)
             return self._codec.decode(head, raw[head.head_len :], dest, in_place=False)
+        if head.layered:
+            # Stored layer-major: read into scratch, then laid out block-major into `dest`.
+            dest = self._codec.body_into(head, out)
+            scratch = empty_bytes(head.body_len)
+            found, body_sum = segment.read_record(
+                loc.offset, head.head_len, as_buffer(scratch), self._bounce
+            )
+            _check_same(found, head)
+            return self._codec.decode(head, as_buffer(scratch), dest, False, body_sum)
         if segment.direct and (out is None or out.device.type != "cpu"):
             # A fresh buffer of our own: page-aligned, so O_DIRECT reads into it directly.
             dest = aligned_bytes(head.payload_nbytes, DIRECT_ALIGN)
@@ -187,6 +206,52 @@ class DiskTier(TierBackend):
 
     def _contains(self, key: bytes, namespace: str) -> bool:
         return (namespace, key) in self._index
+
+    @property
+    def layered(self) -> bool:
+        return self._codec.layered
+
+    def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
+        with self._lock:
+            locs = [self._index.get((namespace, key)) for key, namespace in keys]
+        heads = [
+            loc.head
+            if loc is not None and not loc.segment.direct and self._codec.accepts(loc.head)
+            else None
+            for loc in locs
+        ]
+        found = sum(head is not None for head in heads)
+        self.stats.add(reads=found, hits=found)
+        return heads
+
+    def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
+        return [self._read_layer(item, layer) for item in items]
+
+    def _read_layer(self, item: LayerRead, layer: int) -> bool:
+        """One preadv of the layer's contiguous range straight into the item's slabs (the
+        device blocks), then its checksum, under the tier's lock (GC may not unlink the
+        segment meanwhile)."""
+        start = perf_counter()
+        try:
+            with self._lock:
+                loc = self._index.get((item.namespace, item.key))
+                if loc is None or loc.head is not item.head:  # the index's own head object
+                    raise TierError("record gone or rewritten since its head was read")
+                offset, length = item.head.layer_span(layer)
+                if sum(len(slab) for slab in item.slabs) != length:
+                    raise TierError("layer slabs do not match the record's layer")
+                try:
+                    loc.segment.read_into(loc.offset + item.head.head_len + offset, item.slabs)
+                    verify_layer(item.head, layer, item.slabs)
+                except TierError:
+                    self._forget(item.namespace, item.key)
+                    raise
+        except Exception as exc:  # see TierBackend.get: never raises
+            self._failed("layer read", item.key, exc)
+            return False
+        self.stats.get_latency.observe(perf_counter() - start)
+        self.stats.add(bytes_read=length)
+        return True
 
     def entries(self) -> list[TierEntry]:
         with self._lock:

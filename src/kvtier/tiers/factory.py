@@ -24,7 +24,9 @@ RemoteIntegrity = Literal["mac", "encrypt", "none"]
 
 
 def _segments(c: StorageConfig, sealer: Sealer | None) -> TierBackend:
-    return DiskTier(c.disk_dir, c.disk_bytes, sealer=sealer, persist=c.disk_persist)
+    return DiskTier(
+        c.disk_dir, c.disk_bytes, sealer=sealer, persist=c.disk_persist, layered=c.layered
+    )
 
 
 def _mmap_files(c: StorageConfig, sealer: Sealer | None) -> TierBackend:
@@ -63,6 +65,7 @@ class StorageConfig:
     redis_timeout_s: float = 0.25
     remote_integrity: RemoteIntegrity = "none"
     key: bytes | None = None
+    layered: bool = False  # disk segments and Redis write layered records (record.py)
 
 
 def build_tiers(config: StorageConfig) -> list[TierBackend]:
@@ -86,6 +89,7 @@ def build_tiers(config: StorageConfig) -> list[TierBackend]:
                 cluster=c.redis_cluster,
                 sealer=sealer if c.remote_integrity == "encrypt" else None,
                 signer=Signer(master) if c.remote_integrity == "mac" else None,
+                layered=c.layered,
             )
         )
     return tiers

@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"KVTR"
-    4       1     version (1)
+    4       1     version: 1, or 2 for a layered record (below)
     5       1     flags: 1 = body sealed (AES-GCM), 2 = tombstone (a durable delete, no body),
                   4 = page head (the head is padded to 4096 bytes instead of 64),
                   8 = signed (a GMAC of the record follows the metadata)
@@ -18,6 +18,16 @@
                   namespace, metadata and body, under the namespace's key
     ...     0-63  zero padding: the head is a multiple of 64 bytes (of 4096 with flag 4)
     H       B     body (H = head length)
+
+A layered record (version 2, written by a tier built with `layered=True`, for unprotected
+full-precision chunks) serves the layer-wise pipelined restore (docs/tiers.md): its metadata
+field starts with a layer table, `L` (u16) and one xxh3-64 per layer (u64 each), before the
+payload's own metadata; and its body is stored layer-major: the payload is [blocks, L, ...]
+block-major, the body is the same bytes with the first two axes swapped, so layer i of the
+chunk is one contiguous range `[i * B / L, (i + 1) * B / L)` of the body that a reader can
+fetch, and verify against its own checksum, alone. The body checksum still covers the whole
+body, so a whole read checks a layered record as it checks any other (and swaps the axes
+back). Version 1 records are read as before.
 
 All integers little-endian. Heads are padded so that a body starts 64-byte aligned wherever its
 record does (segments start records at multiples of 64), as the buffers it is read into are:
@@ -41,6 +51,7 @@ from __future__ import annotations
 import functools
 import struct
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +60,11 @@ import xxhash
 from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierError
 from kvtier.tiers.crypto import MAC_BYTES, OVERHEAD_BYTES, Sealer, Signer
 from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
+from kvtier.tiers.vocab import FULL
 
 MAGIC = b"KVTR"
 VERSION = 1
+VERSION_LAYERED = 2
 FLAG_SEALED = 1
 FLAG_TOMBSTONE = 2
 FLAG_PAGE_HEAD = 4
@@ -62,6 +75,7 @@ _PROTECTION = FLAG_SEALED | FLAG_SIGNED
 _FIXED = struct.Struct("<4sBBHHHQQd")
 _IDENTITY = struct.Struct("<HHHQ")  # K, N, M, B: what a signature covers ahead of the bytes
 _SUM = struct.Struct("<Q")
+_LAYER_COUNT = struct.Struct("<H")
 FIXED_BYTES = _FIXED.size + _SUM.size
 HEAD_ALIGN = 64
 PAGE_BYTES = 4096  # what a page head is padded to: O_DIRECT's file offset and memory alignment
@@ -85,6 +99,7 @@ class RecordHead:
     head_len: int
     raw: bytes  # the head's bytes up to its zero padding, as read or written
     mac: bytes = b""  # the signature, with FLAG_SIGNED
+    layer_sums: tuple[int, ...] = ()  # a layered record's per-layer xxh3-64s, else empty
 
     def matches(self, buf: BytesLike) -> bool:
         """Whether `buf` starts with exactly this head, padding included: how a reader checks
@@ -102,6 +117,15 @@ class RecordHead:
         return bool(self.flags & FLAG_TOMBSTONE)
 
     @property
+    def layered(self) -> bool:
+        return bool(self.layer_sums)
+
+    def layer_span(self, layer: int) -> tuple[int, int]:
+        """Where layer `layer` lies in a layered record's body: (offset, length)."""
+        length = self.body_len // len(self.layer_sums)
+        return layer * length, length
+
+    @property
     def payload_nbytes(self) -> int:
         """Size of the payload the body holds (a sealed body is longer by the nonce and tag)."""
         return self.body_len - OVERHEAD_BYTES if self.flags & FLAG_SEALED else self.body_len
@@ -115,15 +139,19 @@ def encode_head(
     flags: int,
     written_at: float,
     mac: bytes = b"",
+    layer_sums: tuple[int, ...] = (),
 ) -> bytes:
     """The head of a record holding `body`, padded to 64 bytes, or to 4096 with FLAG_PAGE_HEAD.
 
     mac: the record's signature (`signed_pieces`), with FLAG_SIGNED.
+    layer_sums: a layered record's per-layer checksums (version 2; `body` layer-major).
     """
     ns = namespace.encode()
+    if layer_sums:
+        meta = _layer_table(layer_sums) + meta
     fixed = _FIXED.pack(
         MAGIC,
-        VERSION,
+        VERSION_LAYERED if layer_sums else VERSION,
         flags,
         len(key),
         len(ns),
@@ -137,6 +165,22 @@ def encode_head(
     return head + bytes(align_up(len(head), _head_align(flags)) - len(head))
 
 
+def _layer_table(layer_sums: tuple[int, ...]) -> bytes:
+    return _LAYER_COUNT.pack(len(layer_sums)) + b"".join(_SUM.pack(s) for s in layer_sums)
+
+
+def _split_layer_table(meta: bytes) -> tuple[tuple[int, ...], bytes]:
+    """A layered record's metadata field -> (its layer sums, the payload's metadata)."""
+    if len(meta) < _LAYER_COUNT.size:
+        raise CorruptRecord("layered record without a layer table")
+    (count,) = _LAYER_COUNT.unpack_from(meta)
+    end = _LAYER_COUNT.size + count * _SUM.size
+    if count == 0 or len(meta) < end:
+        raise CorruptRecord("layered record's layer table cut short")
+    sums = tuple(_SUM.unpack_from(meta, _LAYER_COUNT.size + i * _SUM.size)[0] for i in range(count))
+    return sums, meta[end:]
+
+
 def _head_align(flags: int) -> int:
     return PAGE_BYTES if flags & FLAG_PAGE_HEAD else HEAD_ALIGN
 
@@ -148,7 +192,7 @@ def head_len(fixed: BytesLike) -> int:
     magic, version, flags, key_len, ns_len, meta_len, *_ = _FIXED.unpack_from(fixed)
     if magic != MAGIC:
         raise CorruptRecord("not a kvtier record (bad magic)")
-    if version != VERSION or flags & ~_KNOWN_FLAGS:
+    if version not in (VERSION, VERSION_LAYERED) or flags & ~_KNOWN_FLAGS:
         # Likely a newer writer's record: not ours to judge, let alone delete.
         raise RejectedRecord(f"record of an unknown format (version {version}, flags {flags})")
     mac_len = MAC_BYTES if flags & FLAG_SIGNED else 0
@@ -161,8 +205,8 @@ def parse_head(buf: BytesLike) -> RecordHead:
     if len(buf) < length:
         raise CorruptRecord("record head cut short")
     view = memoryview(buf)
-    _, _, flags, key_len, ns_len, meta_len, body_len, body_sum, written_at = _FIXED.unpack_from(
-        view
+    _, version, flags, key_len, ns_len, meta_len, body_len, body_sum, written_at = (
+        _FIXED.unpack_from(view)
     )
     (head_sum,) = _SUM.unpack_from(view, _FIXED.size)
     meta_end = key_len + ns_len + meta_len
@@ -176,11 +220,18 @@ def parse_head(buf: BytesLike) -> RecordHead:
         namespace = variable[key_len : key_len + ns_len].decode()
     except UnicodeDecodeError as exc:
         raise CorruptRecord("record namespace unreadable") from exc
+    meta = variable[key_len + ns_len : meta_end]
+    layer_sums: tuple[int, ...] = ()
+    if version == VERSION_LAYERED:
+        layer_sums, meta = _split_layer_table(meta)
+        if body_len % len(layer_sums) or flags & _PROTECTION:
+            raise CorruptRecord("layered record's body does not split into its layers")
     return RecordHead(
         flags=flags,
         key=variable[:key_len],
         namespace=namespace,
-        meta=variable[key_len + ns_len : meta_end],
+        meta=meta,
+        layer_sums=layer_sums,
         mac=variable[meta_end:],
         body_len=body_len,
         body_sum=body_sum,
@@ -192,14 +243,28 @@ def parse_head(buf: BytesLike) -> RecordHead:
 
 class RecordCodec:
     """Payload <-> (head, body), sealing bodies when the tier encrypts at rest, or signing
-    records when it wants integrity without secrecy (one or neither, never both)."""
+    records when it wants integrity without secrecy (one or neither, never both).
 
-    def __init__(self, sealer: Sealer | None = None, signer: Signer | None = None) -> None:
+    layered: write full-precision chunks as layered records (version 2, see the module doc),
+    so they can be restored a layer at a time. Only without sealing or signing: a record
+    whose bytes a key protects is verified, and restored, whole (one tag over all of it; a
+    tag per layer is the cost docs/tiers.md weighs)."""
+
+    def __init__(
+        self, sealer: Sealer | None = None, signer: Signer | None = None, *, layered: bool = False
+    ) -> None:
         if sealer is not None and signer is not None:
             raise ValueError("a tier seals or signs its records, not both (sealing authenticates)")
         self.sealer = sealer
         self.signer = signer
         self._protection = FLAG_SEALED if sealer else FLAG_SIGNED if signer else 0
+        self.layered = layered and not self._protection
+
+    def accepts(self, head: RecordHead) -> bool:
+        """Whether this reader may serve `head`'s record a layer at a time: layered, and
+        protected the way this tier protects (a layered record is never sealed or signed, so
+        a tier that seals or signs serves none)."""
+        return head.layered and head.flags & _PROTECTION == self._protection
 
     def encode(
         self, key: bytes, namespace: str, payload: Payload, *, page_head: bool = False
@@ -216,6 +281,12 @@ class RecordCodec:
         body: BytesLike = as_buffer(payload.data.cpu())
         flags = FLAG_PAGE_HEAD if page_head else 0
         mac = b""
+        layers = _layer_count(payload) if self.layered else 0
+        if layers:
+            body, sums = layer_major(payload.data.cpu(), payload.shape[0], layers)
+            return encode_head(
+                key, namespace, meta, body, flags, time.time(), layer_sums=sums
+            ), body
         if self.sealer is not None:
             body = self.sealer.seal(namespace, key + meta, body)
             flags = FLAG_SEALED
@@ -268,13 +339,56 @@ class RecordCodec:
             if self.signer is not None:
                 pieces = signed_pieces(head.key, head.namespace, head.meta, body)
                 self.signer.verify(head.namespace, pieces, head.mac)
-            if not in_place:
+            if head.layered:
+                block_major_into(body, dest, head)
+            elif not in_place:
                 as_buffer(dest)[:] = body
         try:
             described = _described(head.meta)
         except ValueError as exc:
             raise RejectedRecord(str(exc)) from exc  # a newer writer's dtype or form, maybe
         return Payload(dest, head.payload_nbytes, described.form, described.dtype, described.shape)
+
+
+def _layer_count(payload: Payload) -> int:
+    """A chunk payload's layer count when it can be stored layered: full precision, shaped
+    [blocks, layers, ...] (the engine's block-major chunks), else 0."""
+    shape = payload.shape
+    if payload.form != FULL or len(shape) < 3 or shape[1] < 1:
+        return 0
+    return int(shape[1])
+
+
+def layer_major(data: torch.Tensor, blocks: int, layers: int) -> tuple[BytesLike, tuple[int, ...]]:
+    """A block-major chunk's bytes with blocks and layers swapped, and each layer's xxh3-64."""
+    swapped = data.view(blocks, layers, -1).transpose(0, 1).contiguous().view(-1)
+    body = as_buffer(swapped)
+    step = len(body) // layers
+    sums = tuple(xxhash.xxh3_64_intdigest(body[i * step : (i + 1) * step]) for i in range(layers))
+    return body, sums
+
+
+def block_major_into(body: BytesLike, dest: torch.Tensor, head: RecordHead) -> None:
+    """Copy a layered record's (verified) layer-major body into `dest` block-major."""
+    layers = len(head.layer_sums)
+    blocks = _described(head.meta).shape[0]
+    with warnings.catch_warnings():  # a Redis reply is read-only bytes; it is only read here
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(body, dtype=torch.uint8)
+    # in 8-byte words when a block's layer is whole words: half the time of a byte copy here
+    word = torch.int64 if head.body_len % (8 * blocks * layers) == 0 else torch.uint8
+    laid_out = dest[: head.body_len].view(word).view(blocks, layers, -1)
+    laid_out.copy_(src.view(word).view(layers, blocks, -1).transpose(0, 1))
+
+
+def verify_layer(head: RecordHead, layer: int, pieces: list[memoryview]) -> None:
+    """Check a layer of a layered record, read as `pieces` in body order, against its own
+    checksum; CorruptRecord if it fails (nothing of it may be used)."""
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    if hasher.intdigest() != head.layer_sums[layer]:
+        raise CorruptRecord(f"layer {layer} checksum mismatch")
 
 
 def signed_pieces(

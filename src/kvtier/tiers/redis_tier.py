@@ -37,10 +37,17 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierBackend, TierEntry, TierError
+from kvtier.tiers.base import (
+    CorruptRecord,
+    LayerRead,
+    RejectedRecord,
+    TierBackend,
+    TierEntry,
+    TierError,
+)
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
-from kvtier.tiers.record import RecordCodec, deliver, parse_head
+from kvtier.tiers.record import RecordCodec, RecordHead, deliver, parse_head, verify_layer
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,7 @@ class RedisTier(TierBackend):
         sealer: Sealer | None = None,
         signer: Signer | None = None,
         retry_after_s: tuple[float, float] = (0.1, 5.0),
+        layered: bool = False,
         name: str = "remote",
     ) -> None:
         """
@@ -99,6 +107,9 @@ class RedisTier(TierBackend):
             it (GMAC); at most one. With neither, a value is only checksummed, and whoever can
             write to the server can make this tier serve bytes of their choosing: logged as a
             warning (see "Threat model" in docs/tiers.md).
+        layered: write full-precision chunks as layered records (record.py: a layer is one
+            contiguous range of the value), read back a layer at a time with pipelined
+            GETRANGEs by the pipelined restore; not with sealing or signing.
         """
         super().__init__(name)
         self.url = url
@@ -110,7 +121,7 @@ class RedisTier(TierBackend):
         self.hash_tag = hash_tag
         self.on_full = on_full
         self.retry_after_s = retry_after_s
-        self._codec = RecordCodec(sealer, signer)
+        self._codec = RecordCodec(sealer, signer, layered=layered)
         if sealer is None and signer is None:
             log.warning(
                 "%s: values in redis at %s are neither signed nor sealed: whoever can write "
@@ -197,6 +208,89 @@ class RedisTier(TierBackend):
             self._record_get(key, result, elapsed)
             for key, result in zip(keys, results, strict=True)
         ]
+
+    @property
+    def layered(self) -> bool:
+        return self._codec.layered
+
+    def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
+        """One pipeline: each value's first `_HEAD_PROBE` bytes (GETRANGE) and, as GETEX does
+        for a whole read, its TTL refreshed."""
+        if not self._codec.layered:
+            return [None] * len(keys)
+        px = None if self.ttl_s is None else int(self.ttl_s * 1000)
+
+        def probe(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key, namespace in keys:
+                rkey = self.redis_key(key, namespace)
+                pipe.getrange(rkey, 0, _HEAD_PROBE - 1)
+                if px is not None:
+                    pipe.pexpire(rkey, px)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(probe)[:: 1 if px is None else 2]
+        except TierError as exc:
+            self._failed("layer heads", b"", exc)
+            return [None] * len(keys)
+        heads = [
+            self._layered_head(key, ns, reply)
+            for (key, ns), reply in zip(keys, replies, strict=True)
+        ]
+        found = sum(head is not None for head in heads)
+        self.stats.add(reads=found, hits=found)
+        return heads
+
+    def _layered_head(self, key: bytes, namespace: str, reply: Any) -> RecordHead | None:
+        if not isinstance(reply, bytes) or not reply:
+            return None  # missing, or the pipeline's command failed: a whole read decides
+        try:
+            head = parse_head(reply)
+        except TierError:
+            return None  # not a layered record we can read a layer at a time (or damaged)
+        if head.key != key or head.namespace != namespace or not self._codec.accepts(head):
+            return None
+        return head
+
+    def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
+        """One pipeline of GETRANGEs, one per chunk, each checked against its layer's sum
+        before its bytes are copied into the slabs."""
+        start = time.perf_counter()
+        spans = [item.head.layer_span(layer) for item in items]
+
+        def read(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for item, (offset, length) in zip(items, spans, strict=True):
+                first = item.head.head_len + offset
+                pipe.getrange(self.redis_key(item.key, item.namespace), first, first + length - 1)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(read)
+        except TierError as exc:
+            for item in items:
+                self._failed("layer read", item.key, exc)
+            return [False] * len(items)
+        oks = []
+        for item, (_, length), reply in zip(items, spans, replies, strict=True):
+            try:
+                if not isinstance(reply, bytes) or len(reply) != length:
+                    raise CorruptRecord("layer range missing or cut short")
+                view = memoryview(reply)
+                verify_layer(item.head, layer, [view])
+                at = 0
+                for slab in item.slabs:
+                    slab[:] = view[at : at + len(slab)]
+                    at += len(slab)
+            except (TierError, ValueError) as exc:
+                self._failed("layer read", item.key, exc)
+                oks.append(False)
+                continue
+            self.stats.add(bytes_read=length)
+            oks.append(True)
+        self.stats.get_latency.observe(time.perf_counter() - start)
+        return oks
 
     def _delete(self, key: bytes, namespace: str) -> None:
         with self._lock:
@@ -561,6 +655,11 @@ class RedisTier(TierBackend):
         if held is not None:
             self._used -= held.stored_bytes
         return held is not None
+
+
+# Bytes of a value read to find a layered record's head: key, namespace, metadata and a
+# 30-layer table come to about 400; a longer head is read whole instead.
+_HEAD_PROBE = 1024
 
 
 def _pipelined(client: Any, command: str, rkeys: Sequence[bytes], *args: Any) -> list[Any]:

@@ -171,6 +171,12 @@ class Segment:
         _read_all(self.fd, [buf], offset)
         return buf
 
+    def read_into(self, offset: int, targets: list[memoryview]) -> None:
+        """Fill `targets` in order from the bytes at `offset` (one preadv; buffered files)."""
+        if self.direct:
+            raise TierError("scattered reads need a buffered segment")
+        _read_all(self.fd, targets, offset)
+
     def read_record(
         self, offset: int, head_len: int, body: memoryview, bounce: AlignedBuffer
     ) -> tuple[memoryview, int]:
