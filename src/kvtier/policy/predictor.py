@@ -222,21 +222,41 @@ class ReusePredictor:
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
-        out = np.empty((len(sessions), len(self.edges)))
-        per_key: dict[Key, tuple[np.ndarray, float]] = {}  # cdf and session weight, once
+        # the keys' rows gathered at once, then the sessions with their own gaps blended in
+        # at once: per session only lookups (a decision asks for thousands of rows)
+        which: dict[Key, int] = {}  # key -> its row in `cdfs`
+        cdfs: list[np.ndarray] = []
+        weights: list[float] = []
+        rows = np.empty(len(sessions), dtype=np.int64)
+        own_at: list[int] = []
+        own_ids: list[str] = []
+        own_counts: list[int] = []
+        gaps = self._sessions
         for s, session in enumerate(sessions):
             key = session.reuse_key
-            found = per_key.get(key)
-            if found is None:
+            k = which.get(key)
+            if k is None:
+                k = which[key] = len(cdfs)
                 histogram = self._keys.get(key)
-                weight = math.inf if histogram is None else histogram.session_weight
-                found = per_key[key] = (self._distribution(key)[0], weight)
-            cdf, weight = found
-            own = self._sessions.get(session.session_id) if weight != math.inf else None
-            if own:
-                out[s] = (self._mine(session.session_id) + weight * cdf) / (len(own) + weight)
-            else:
-                out[s] = cdf
+                weights.append(math.inf if histogram is None else histogram.session_weight)
+                cdfs.append(self._distribution(key)[0])
+            rows[s] = k
+            if weights[k] != math.inf:
+                own = gaps.get(session.session_id)
+                if own:
+                    own_at.append(s)
+                    own_ids.append(session.session_id)
+                    own_counts.append(len(own))
+        if not cdfs:
+            return np.empty((0, len(self.edges)))
+        table = np.stack(cdfs)
+        out = table[rows]
+        if own_at:
+            keys = rows[own_at]
+            weight = np.array(weights)[keys][:, None]
+            mine = np.stack([self._mine(session_id) for session_id in own_ids])
+            count = np.array(own_counts, dtype=float)[:, None]
+            out[own_at] = (mine + weight * table[keys]) / (count + weight)
         return out
 
     def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:

@@ -31,21 +31,27 @@ SessionEvent = Returned | Abandoned
 class TurnTracker:
     def __init__(self, max_age_s: float) -> None:
         self.max_age_s = max_age_s
-        # per session: the view last seen, turns seen, already counted abandoned
-        self._seen: dict[str, tuple[SessionView, int, bool]] = {}
+        # per session: the view last seen, turns seen, already counted abandoned, and idle
+        # since when if it is idle and not counted abandoned (None otherwise)
+        self._seen: dict[str, tuple[SessionView, int, bool, float | None]] = {}
 
     def update(self, view: PolicyView, now: float) -> list[SessionEvent]:
         events: list[SessionEvent] = []
-        seen_now: dict[str, tuple[SessionView, int, bool]] = {}
+        seen_now: dict[str, tuple[SessionView, int, bool, float | None]] = {}
+        max_age = self.max_age_s
         for session in view.sessions:
             before = self._seen.get(session.session_id)
-            if before is not None and before[0] is session and not self._expires(before, now):
-                # views are reused until the session changes: nothing new to learn from it
-                seen_now[session.session_id] = before
-                continue
+            if before is not None and before[0] is session:
+                # views are reused until the session changes: nothing new to learn from it,
+                # unless it passes the cut-off age now (checked from the stored idle start:
+                # most sessions are unchanged at most decisions)
+                since = before[3]
+                if since is None or now - since < max_age:
+                    seen_now[session.session_id] = before
+                    continue
             turns = session.turns
             # a session seen for the first time contributes from its next turn on
-            seen, abandoned = (len(turns), False) if before is None else before[1:]
+            seen, abandoned = (len(turns), False) if before is None else before[1:3]
             for i in range(max(seen, 1), len(turns)):
                 ended = turns[i - 1].finished
                 # a return after abandonment was already counted as "no return"
@@ -59,14 +65,11 @@ class TurnTracker:
                 at = session.idle_since + self.max_age_s
                 events.append(Abandoned(session.session_id, session.reuse_key, at))
                 abandoned = True
-            seen_now[session.session_id] = (session, len(turns), abandoned)
+            # idle since when, while it may still pass the cut-off age uncounted
+            since = session.idle_since if session.idle and not abandoned else None
+            seen_now[session.session_id] = (session, len(turns), abandoned, since)
         self._seen = seen_now
         # in session order (each session's own events stay in turn order): what the predictor
         # learns does not depend on the order of the view
         events.sort(key=lambda event: event.session_id)
         return events
-
-    def _expires(self, before: tuple[SessionView, int, bool], now: float) -> bool:
-        """True when an unchanged session passes the cut-off age now, not yet counted."""
-        session, _, abandoned = before
-        return not abandoned and session.idle and session.idle_s(now) >= self.max_age_s
