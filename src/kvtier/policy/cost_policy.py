@@ -167,7 +167,7 @@ class CostPolicy(RetentionPolicy):
         tiers = view.tier_names
         q, d = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
-        values, _ = self._induction(chunks, np.ones(len(chunks.size), bool), q, d, prices, tiers)
+        values, _ = self._induction(chunks, q, d, prices, tiers)
         return {
             index: {t: float(v) for t, v in zip(tiers, row, strict=True) if v > -np.inf}
             for index, row in zip(chunks.index.tolist(), values, strict=True)
@@ -200,27 +200,30 @@ class CostPolicy(RetentionPolicy):
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        rows = stale[chunks.row_session]
-        fresh_values, fresh_soon = self._induction(chunks, rows, q, d, prices, tiers)
-        state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
-        values, soon = state.values(candidates)
+        if stale.all():  # the usual case: idle time moves every session's return schedule
+            values, soon = self._induction(chunks, q, d, prices, tiers)
+            state.store(candidates, stale, q, d, prices, values, soon)
+        else:
+            fresh = _subset(chunks, stale)
+            fresh_values, fresh_soon = self._induction(fresh, q[stale], d[stale], prices, tiers)
+            state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
+            values, soon = state.values(candidates)
         return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
 
     def _induction(
         self,
         chunks: _Table,
-        rows: np.ndarray,
         q: np.ndarray,
         d: np.ndarray,
         prices: np.ndarray,
         tiers: Sequence[str],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of the chunks `rows` selects, by the backward
-        induction of the module docstring; tier-major arrays, so each stage is a few passes
-        over contiguous rows."""
-        row_session = chunks.row_session[rows]
-        size, rank = chunks.size[rows], chunks.rank[rows]
-        tokens, start = chunks.values[rows, 0], chunks.values[rows, 1]
+        """(values, next interval's saving) of every chunk of `chunks` (whose `values` still
+        hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
+        of the module docstring; tier-major arrays, so each stage is a few passes over
+        contiguous rows."""
+        row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
+        tokens, start = chunks.values[:, 0], chunks.values[:, 1]
         weight = chunks.weight[row_session]
         # tiers x chunks: what a return saves, and what holding costs per second (the cost
         # model's formulas are plain arithmetic, so they take whole columns at once)
@@ -228,7 +231,9 @@ class CostPolicy(RetentionPolicy):
         tier_rank = np.array([TIER_RANK[t] for t in tiers])
         gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
         rent = prices[:, None] * size[None, :]
-        q, d = q.T[:, row_session], d.T[:, row_session]  # [K, chunks], each stage contiguous
+        # [K, chunks], each stage contiguous (rows are in session order: a repeat, not a gather)
+        per_session = np.bincount(row_session, minlength=len(q))
+        q, d = np.repeat(q.T, per_session, axis=1), np.repeat(d.T, per_session, axis=1)
         count = len(tiers)
         later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
         # qk * gain - rent * dk + (1 - qk) * later, in place (two buffers swap roles)
@@ -381,6 +386,22 @@ def _chunk_table(
         columns[:, 1:3],  # tokens, start: replaced by values when priced
         (),
         weight,
+    )
+
+
+def _subset(chunks: _Table, keep: np.ndarray) -> _Table:
+    """The chunks of the sessions `keep` selects, as a table of those sessions."""
+    rows = keep[chunks.row_session]
+    position = np.cumsum(keep) - 1  # each kept session's place among them
+    return _Table(
+        [session for session, kept in zip(chunks.sessions, keep.tolist(), strict=True) if kept],
+        position[chunks.row_session[rows]],
+        chunks.index[rows],
+        chunks.rank[rows],
+        chunks.size[rows],
+        chunks.values[rows],
+        chunks.tiers,
+        chunks.weight[keep],
     )
 
 

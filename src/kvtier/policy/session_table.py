@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -29,15 +30,19 @@ from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 COLUMNS = 5  # index, tokens, token_start, bytes, tier rank
 
 
+_FIELDS = attrgetter("index", "token_start", "token_end", "size_bytes")
+_TIER = attrgetter("tier")
+
+
 def chunk_columns(session: SessionView) -> np.ndarray:
     """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
-    return np.array(
-        [
-            (c.index, c.tokens, c.token_start, c.size_bytes, TIER_RANK[c.tier])
-            for c in session.stored_chunks()
-        ],
-        dtype=float,
-    ).reshape(-1, COLUMNS)
+    stored = session.stored_chunks()
+    raw = np.array(list(map(_FIELDS, stored)), dtype=float).reshape(-1, 4)
+    out = np.empty((len(stored), COLUMNS))
+    out[:, 0], out[:, 2], out[:, 3] = raw[:, 0], raw[:, 1], raw[:, 3]
+    out[:, 1] = raw[:, 2] - raw[:, 1]  # exact: token counts are far below 2**53
+    out[:, 4] = np.fromiter(map(TIER_RANK.__getitem__, map(_TIER, stored)), float, len(stored))
+    return out
 
 
 def ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
