@@ -147,7 +147,16 @@ class ReusePredictor:
             self._score(key, session_id, gap_s)
             if gap_s < self.max_age_s:
                 self._remember(session_id, self._bin(gap_s))
-        self.record_gaps(key, (gap_s,))
+        # `record_gaps` for one gap, without building arrays (one call per returning turn)
+        gap = max(gap_s, 0.0)
+        late = gap >= self.max_age_s
+        b = 0 if late else self._bin(gap)
+        for histogram in (self._pooled, self._histogram(key)):
+            if late:
+                histogram.no_return += 1
+            else:
+                histogram.counts[b] += 1
+        self._cache.clear()
 
     def record_gaps(self, key: Key, gaps_s: Iterable[float]) -> None:
         """Many gaps at once, e.g. to warm-start from a trace; gaps past the cut-off age count
@@ -267,11 +276,6 @@ class ReusePredictor:
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
 
-    def _blend(self, cdf: np.ndarray, session_id: str, weight: float) -> np.ndarray:
-        """The key's cumulative masses blended with the session's own gaps."""
-        own = self._sessions[session_id]
-        return (self._mine(session_id) + weight * cdf) / (len(own) + weight)
-
     def _mine(self, session_id: str) -> np.ndarray:
         """The session's own gaps as cumulative counts at the bin edges, kept until it records
         another gap."""
@@ -313,9 +317,21 @@ class ReusePredictor:
         late = gap_s >= self.max_age_s
         b = 0 if late else self._bin(gap_s)
         histogram = self._histogram(key)
+        # only the blended masses at the edges the outcome touches: the blend of `cdf_rows`
+        # on those elements alone (the same operations, so the same numbers)
+        at = (-1,) if late else (b, b + 1)
+        key_at = [float(cdf[i]) for i in at]
+        mine = self._mine(session_id)
+        mine_at = [float(mine[i]) for i in at]
         for i, weight in enumerate(SESSION_WEIGHTS):
-            blended = cdf if weight == math.inf else self._blend(cdf, session_id, weight)
-            p = 1.0 - blended[-1] if late else blended[b + 1] - blended[b]
+            if weight == math.inf:
+                blended = key_at
+            else:
+                blended = [
+                    (m + weight * c) / (len(own) + weight)
+                    for m, c in zip(mine_at, key_at, strict=True)
+                ]
+            p = 1.0 - blended[0] if late else blended[1] - blended[0]
             histogram.scores[i] += math.log(max(p, 1e-12))
 
     def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:
