@@ -51,11 +51,10 @@ class DemandForecast:
         if self._start is None:
             self._start = now
         bpt = view.bytes_per_token
-        seen_now: dict[str, tuple[SessionView, int, int]] = {}
+        seen = self._seen  # updated in place: most sessions are unchanged at most views
         for session in view.sessions:
-            before = self._seen.get(session.session_id)
+            before = seen.get(session.session_id)
             if before is not None and before[0] is session:
-                seen_now[session.session_id] = before
                 continue
             turns = len(session.turns)
             on_device = before[2] if before is not None else 0
@@ -66,8 +65,10 @@ class DemandForecast:
             if bpt and turns and (new or (before is not None and turns > before[1])):
                 context = sum(t.prompt_tokens for t in session.turns) * bpt
                 self._add(session.turns[-1].arrival, max(0.0, context - on_device))
-            seen_now[session.session_id] = (session, turns, on_device)
-        self._seen = seen_now
+            seen[session.session_id] = (session, turns, on_device)
+        if len(seen) != len(view.sessions):  # sessions that left the view are forgotten
+            present = {session.session_id for session in view.sessions}
+            self._seen = {sid: entry for sid, entry in seen.items() if sid in present}
         self._expire(now)
 
     def exceedance(self, horizon_s: float, now: float) -> tuple[np.ndarray, np.ndarray]:
