@@ -55,7 +55,7 @@ def test_candidates_follow_sessions_that_come_change_and_leave(kv):
     v = kv.view([empty, busy, pinned, held, a], CAPACITY)
     found = table.sync(v, 160.0)
     assert [s.session_id for s in found.sessions] == ["a", "e"]
-    assert found == found and found.sessions == tuple(_expected(v, 160.0))
+    assert found.sessions == tuple(_expected(v, 160.0))
     _check_columns(table, found)
 
 
@@ -82,9 +82,7 @@ def _perturb(rng, v, now, next_id, kv):
         i = rng.choice(idle)
         s = sessions[i]
         turn = TurnView(now - 0.1, 100)
-        sessions[i] = dataclasses.replace(
-            s, turns=(*s.turns, turn), active=True, idle_since=None
-        )
+        sessions[i] = dataclasses.replace(s, turns=(*s.turns, turn), active=True, idle_since=None)
     active = [i for i, s in enumerate(sessions) if s.active]
     if active and rng.random() < 0.5:
         i = rng.choice(active)
