@@ -11,6 +11,7 @@ import numpy as np
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.session_table import SessionTable, chunk_columns
 from kvtier.policy.view import TIER_RANK, QueueView, TurnView
+from kvtier.policy.view_diff import ViewDiff
 
 GB = 10**9
 CAPACITY = {"device": 80 * GB, "host": 200 * GB, "disk": 1000 * GB}
@@ -29,13 +30,13 @@ def _check_columns(table, candidates):
 
 
 def test_candidates_follow_sessions_that_come_change_and_leave(kv):
-    table = SessionTable()
+    table, seen = SessionTable(), ViewDiff()
     a, b = kv.session("a", 1024), kv.session("b", 2048)
     busy = kv.session("c", 512, idle_since=None)  # active: not a candidate
     pinned = kv.session("d", 512, pinned=True)
     held = kv.session("e", 512, ttl_s=100.0, idle_since=0.0)
     v = kv.view([b, busy, a, pinned, held], CAPACITY)
-    found = table.sync(v, 50.0)
+    found = table.sync(v, seen.update(v.sessions), 50.0)
     assert [s.session_id for s in found.sessions] == ["a", "b"]  # session-id order
     assert found.idle_s.tolist() == [50.0, 50.0]
     _check_columns(table, found)
@@ -44,7 +45,7 @@ def test_candidates_follow_sessions_that_come_change_and_leave(kv):
         b, chunks=(dataclasses.replace(b.chunks[0], tier="host"), *b.chunks[1:])
     )
     v = kv.view([moved, busy, pinned, held], CAPACITY)
-    found = table.sync(v, 150.0)
+    found = table.sync(v, seen.update(v.sessions), 150.0)
     assert [s.session_id for s in found.sessions] == ["b", "e"]
     assert found.sessions[0] is moved
     _check_columns(table, found)
@@ -53,22 +54,35 @@ def test_candidates_follow_sessions_that_come_change_and_leave(kv):
     # "a" comes back (a fresh slot), and "b" loses all its chunks: nothing left to place
     empty = dataclasses.replace(b, chunks=())
     v = kv.view([empty, busy, pinned, held, a], CAPACITY)
-    found = table.sync(v, 160.0)
+    found = table.sync(v, seen.update(v.sessions), 160.0)
     assert [s.session_id for s in found.sessions] == ["a", "e"]
     assert found.sessions == tuple(_expected(v, 160.0))
     _check_columns(table, found)
 
 
+def test_view_diff_names_new_changed_and_departed_sessions(kv):
+    seen = ViewDiff()
+    a, b, c = kv.session("a", 256), kv.session("b", 256), kv.session("c", 256)
+    first = seen.update([b, a])
+    assert first.changed == (b, a) and first.left == ()
+    assert seen.update([b, a]).changed == ()  # the same objects: nothing to look at
+    a2 = dataclasses.replace(a, idle_since=5.0)  # equal ids, another view object
+    changes = seen.update([c, a2])
+    assert changes.changed == (c, a2) and changes.left == ("b",)
+    back = seen.update([a2, b])
+    assert back.changed == (b,) and back.left == ("c",)  # "b" is new again
+
+
 def test_pool_keeps_every_sessions_rows_through_growth_and_compaction(kv):
     # sessions that keep growing take fresh rows, so the pool fills with dead ones and is
     # compacted (and grown) under them; the rows handed out must stay each session's own
-    table = SessionTable()
+    table, seen = SessionTable(), ViewDiff()
     tokens = {f"s{i:02d}": 256 * (1 + i % 3) for i in range(40)}
     for step in range(30):
         for sid in list(tokens)[step % 4 :: 4]:
             tokens[sid] += 256 * (1 + step % 5)
         v = kv.view([kv.session(sid, n) for sid, n in tokens.items()], CAPACITY)
-        found = table.sync(v, 10.0 + step)
+        found = table.sync(v, seen.update(v.sessions), 10.0 + step)
         assert [s.session_id for s in found.sessions] == sorted(tokens)
         _check_columns(table, found)
 
@@ -143,11 +157,12 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
 
 
 def test_stale_says_what_no_longer_holds(kv):
-    table = SessionTable()
+    table, seen = SessionTable(), ViewDiff()
     s = dataclasses.replace(
         kv.session("a", 512, tier="host"),  # host only: the device's price does not matter
     )
-    found = table.sync(kv.view([s], CAPACITY), 10.0)
+    v = kv.view([s], CAPACITY)
+    found = table.sync(v, seen.update(v.sessions), 10.0)
     q, d = np.array([[0.1, 0.2]]), np.array([[5.0, 10.0]])
     prices = np.array([1.0, 2.0, 3.0])
     assert table.stale(found, q, d, prices).tolist() == [True]  # never priced
@@ -161,6 +176,7 @@ def test_stale_says_what_no_longer_holds(kv):
     assert table.stale(found, q, d + 1e-9, prices).tolist() == [True]
     # a new view of the session: nothing it was priced at is trusted
     moved = dataclasses.replace(s, chunks=s.chunks[:1])
-    found = table.sync(kv.view([moved], CAPACITY), 11.0)
+    v = kv.view([moved], CAPACITY)
+    found = table.sync(v, seen.update(v.sessions), 11.0)
     assert table.priced("a") is None
     assert table.stale(found, q, d, prices).tolist() == [True]

@@ -65,6 +65,7 @@ from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
+from kvtier.policy.view_diff import ViewDiff
 
 GIB = 2**30  # transfer size the spill seconds per byte are taken at
 
@@ -113,6 +114,7 @@ class CostPolicy(RetentionPolicy):
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
         self._state = SessionTable()
+        self._changes = ViewDiff()
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -125,13 +127,14 @@ class CostPolicy(RetentionPolicy):
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
-        events = self._tracker.update(view, now)
+        changes = self._changes.update(view.sessions)  # one pass over the view for all three
+        events = self._tracker.update(view, now, changes)
         self.predictor.observe(events)
-        self.demand.observe(view, now)
+        self.demand.observe(view, now, changes)
         if self.calibration is not None:
             self.calibration.observe(events)
             self.calibration.expire(now)
-        candidates = self._state.sync(view, now)
+        candidates = self._state.sync(view, changes, now)
         columns = self._state.columns(candidates)
         chunks = _chunk_table(
             candidates.sessions, candidates.row_session, columns, candidates.weight

@@ -4,9 +4,9 @@ One slot per session of the view holds what decides whether it is a candidate (p
 TTL, idle since), its priority weight, a whole-session `Keep` made once, and what it was last
 priced at (its return schedule q and d, the tier prices, the fastest tier holding one of its
 chunks). One row per stored chunk, in a pool shared by all sessions, holds the chunk's columns
-(index, tokens, first token, bytes, tier rank) and, once priced, its values. A decision visits
-each session of the view once (an identity check: the simulator and the engine reuse a
-session's view until it changes), loads the columns of the few whose view changed, and does
+(index, tokens, first token, bytes, tier rank) and, once priced, its values. A decision takes in
+the sessions whose view changed (`view_diff`), loads the columns of those that are
+candidates, and does
 the rest as array passes over the slots and the pool: which sessions are candidates, their
 order, their chunks' rows, which of them must be priced again. Before this, each decision
 handed out every session's arrays in Python and concatenated them.
@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtier.policy.actions import Keep
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
+from kvtier.policy.view_diff import Changes
 
 COLUMNS = 5  # index, tokens, token_start, bytes, tier rank
 
@@ -208,30 +209,23 @@ class SessionTable:
 
     # -- a decision ------------------------------------------------------------------------
 
-    def sync(self, view: PolicyView, now: float) -> Candidates:
-        """Take in the view (new, changed and departed sessions) and return its candidates."""
+    def sync(self, view: PolicyView, changes: Changes, now: float) -> Candidates:
+        """Take in the view's `changes` against the previous view given (new, changed and
+        departed sessions) and return its candidates."""
         if view.tier_names != self.tiers:  # values are per tier: nothing priced still holds
             self.tiers = view.tier_names
             self._values = np.zeros((len(self._cols), len(self.tiers)))
             self._soon = np.zeros((len(self._cols), len(self.tiers)))
             self._priced[:] = False
-        slot_of, views = self._slot, self._views
-        new: list[SessionView] = []
-        changed: list[tuple[int, SessionView]] = []
-        for session in view.sessions:
+        for session_id in changes.left:
+            self._remove(session_id)
+        slot_of = self._slot
+        for session in changes.changed:
             slot = slot_of.get(session.session_id)
             if slot is None:
-                new.append(session)
-            elif views[slot] is not session:
-                changed.append((slot, session))
-        if len(slot_of) + len(new) != len(view.sessions):  # some sessions left the view
-            present = {session.session_id for session in view.sessions}
-            for session_id in [sid for sid in slot_of if sid not in present]:
-                self._remove(session_id)
-        for slot, session in changed:
-            self._set(slot, session)
-        for session in new:
-            self._add(session)
+                self._add(session)
+            else:
+                self._set(slot, session)
         return self._candidates(now)
 
     def _candidates(self, now: float) -> Candidates:

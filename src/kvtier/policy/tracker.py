@@ -9,6 +9,7 @@ import heapq
 from dataclasses import dataclass
 
 from kvtier.policy.view import PolicyView, SessionView
+from kvtier.policy.view_diff import Changes, diff
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,20 @@ class TurnTracker:
         self._idle: list[tuple[float, int, str, SessionView]] = []
         self._pushed = 0
 
-    def update(self, view: PolicyView, now: float) -> list[SessionEvent]:
+    def update(
+        self, view: PolicyView, now: float, changes: Changes | None = None
+    ) -> list[SessionEvent]:
+        """The events since the previous view. `changes`: the view's against the previous
+        one, where the caller has them already (`view_diff.ViewDiff`)."""
         events: list[SessionEvent] = []
         seen = self._seen
-        for session in view.sessions:
-            before = seen.get(session.session_id)
-            if before is None or before[0] is not session:
-                # views are reused until the session changes: only changed ones have news
-                self._visit(session, before, now, events)
-        if len(seen) != len(view.sessions):  # some sessions left the view: forget them
-            present = {session.session_id for session in view.sessions}
-            self._seen = {sid: entry for sid, entry in seen.items() if sid in present}
-            seen = self._seen
+        if changes is None:
+            changes = diff(view.sessions, seen)
+        for session_id in changes.left:  # sessions that left the view are forgotten
+            seen.pop(session_id, None)
+        # views are reused until the session changes: only changed ones have news
+        for session in changes.changed:
+            self._visit(session, seen.get(session.session_id), now, events)
         idle = self._idle
         while idle and now - idle[0][0] >= self.max_age_s:
             _, _, session_id, session = heapq.heappop(idle)
