@@ -138,13 +138,18 @@ class Calibration:
         share one entry of the due heap."""
         deadline = made_at + horizon_s
         pending = self._pending
-        for session_id, p in zip(session_ids, ps, strict=True):
-            if self._pending_total >= self.max_pending:
-                oldest = min(pending, key=lambda s: pending[s][0][0])
-                self._resolve(pending[oldest].popleft()[2], False)
-                self._forget_if_empty(oldest)
-            pending[session_id].append((made_at, deadline, p))
-            self._pending_total += 1
+        if self._pending_total + len(session_ids) <= self.max_pending:  # none to evict
+            for session_id, p in zip(session_ids, ps, strict=True):
+                pending[session_id].append((made_at, deadline, p))
+            self._pending_total += len(session_ids)
+        else:
+            for session_id, p in zip(session_ids, ps, strict=True):
+                if self._pending_total >= self.max_pending:
+                    oldest = min(pending, key=lambda s: pending[s][0][0])
+                    self._resolve(pending[oldest].popleft()[2], False)
+                    self._forget_if_empty(oldest)
+                pending[session_id].append((made_at, deadline, p))
+                self._pending_total += 1
         if session_ids:
             heapq.heappush(self._due, (deadline, self._made, tuple(session_ids)))
             self._made += 1

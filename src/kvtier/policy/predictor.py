@@ -236,7 +236,7 @@ class ReusePredictor:
         which: dict[Key, int] = {}  # key -> its row in `cdfs`
         cdfs: list[np.ndarray] = []
         weights: list[float] = []
-        rows = np.empty(len(sessions), dtype=np.int64)
+        rows: list[int] = []
         own_at: list[int] = []
         own_ids: list[str] = []
         own_counts: list[int] = []
@@ -249,7 +249,7 @@ class ReusePredictor:
                 histogram = self._keys.get(key)
                 weights.append(math.inf if histogram is None else histogram.session_weight)
                 cdfs.append(self._distribution(key)[0])
-            rows[s] = k
+            rows.append(k)
             if weights[k] != math.inf:
                 own = gaps.get(session.session_id)
                 if own:
@@ -261,7 +261,7 @@ class ReusePredictor:
         table = np.stack(cdfs)
         out = table[rows]
         if own_at:
-            keys = rows[own_at]
+            keys = np.array(rows)[own_at]
             weight = np.array(weights)[keys][:, None]
             mine = np.stack([self._mine(session_id) for session_id in own_ids])
             count = np.array(own_counts, dtype=float)[:, None]
