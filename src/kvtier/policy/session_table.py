@@ -218,7 +218,8 @@ class SessionTable:
             self._soon = np.zeros((len(self._cols), len(self.tiers)))
             self._priced[:] = False
         for session_id in changes.left:
-            self._remove(session_id)
+            if session_id in self._slot:
+                self._remove(session_id)
         slot_of = self._slot
         for session in changes.changed:
             slot = slot_of.get(session.session_id)
