@@ -115,7 +115,7 @@ def test_values_kept_between_decisions_follow_the_prices_and_the_clock(kv):
         now, other = 20.0 + 0.25 * step, (70 + step // 20) * GB
         v = kv.view([s], CAPACITY, other_used={"device": other}, queue=queue)
         assert seasoned.decide(v, now) == CostPolicy(kv.slow_model()).decide(v, now), now
-        used = seasoned._priced["a"].values  # what this decision priced "a" at
+        used = seasoned._state.priced("a")  # what this decision priced "a" at
         fresh = seasoned.value(v, s, now)
         assert [[fresh[i][t] for t in v.tier_names] for i in sorted(fresh)] == used.tolist()
 

@@ -60,11 +60,12 @@ from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
-from kvtier.policy.ledger import ChunkKey
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
+from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
+from kvtier.policy.view_diff import ViewDiff
 
 GIB = 2**30  # transfer size the spill seconds per byte are taken at
 
@@ -85,80 +86,14 @@ class _Table:
     size: np.ndarray  # bytes
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
+    weight: np.ndarray  # 2 ** priority of each of `sessions`
     # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
     next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-
-    @property
-    def keys(self) -> list[ChunkKey]:
-        ids = [session.session_id for session in self.sessions]
-        rows = zip(self.row_session.tolist(), self.index.tolist(), strict=True)
-        return [(ids[s], i) for s, i in rows]
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
         by_rank = np.bincount(self.rank.astype(int), weights=self.size, minlength=len(TIER_RANK))
         return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
-
-
-def _columns(session: SessionView) -> np.ndarray:
-    """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
-    return np.array(
-        [
-            (c.index, c.tokens, c.token_start, c.size_bytes, TIER_RANK[c.tier])
-            for c in session.stored_chunks()
-        ],
-        dtype=float,
-    ).reshape(-1, 5)
-
-
-def _drifted(
-    q: np.ndarray, d: np.ndarray, prices: np.ndarray, parts: Sequence[_Priced], ranks: np.ndarray
-) -> np.ndarray:
-    """Per session (row), True when its values no longer hold: a return probability or an
-    interval length differs from what it was priced at (the last interval ends at the cut-off
-    age, so it shortens at every decision), or so does the price of a tier its chunks may
-    still use (at or below the fastest one they are in). Exact comparisons: a reused value is
-    the one a fresh pricing would give, so reuse never changes a decision (a 20% tolerance
-    was tried: on a Mooncake slice it saved no measurable time and moved the TTFT p99 by 11%)."""
-    old_q = np.stack([part.q for part in parts])
-    old_d = np.stack([part.d for part in parts])
-    old_prices = np.stack([part.prices for part in parts])
-    top = np.array([part.top for part in parts])
-    moved = (q != old_q).any(axis=1) | (d != old_d).any(axis=1)
-    drift = prices[None, :] != old_prices
-    return moved | (drift & (ranks[None, :] >= top[:, None])).any(axis=1)
-
-
-@dataclass
-class _Priced:
-    """One session's chunk columns and, once priced, the values they were given, with what
-    they were priced at (the tiers, the return schedule and the tier prices)."""
-
-    view: SessionView
-    columns: np.ndarray
-    values: np.ndarray | None = None
-    soon: np.ndarray | None = None  # next interval's saving per tier
-    tiers: tuple[str, ...] = ()
-    q: np.ndarray | None = None
-    d: np.ndarray | None = None
-    prices: np.ndarray | None = None
-
-    top: float = field(init=False)  # rank of the fastest tier holding one of its chunks
-
-    def __post_init__(self) -> None:
-        self.top = float(self.columns[:, 4].min()) if len(self.columns) else 0.0
-
-    def price(
-        self,
-        tiers: tuple[str, ...],
-        q: np.ndarray,
-        d: np.ndarray,
-        prices: np.ndarray,
-        values: np.ndarray,
-        soon: np.ndarray,
-    ) -> None:
-        self.tiers, self.q, self.d, self.prices = tiers, q, d, prices
-        self.values, self.soon = values, soon
 
 
 @dataclass
@@ -178,7 +113,8 @@ class CostPolicy(RetentionPolicy):
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._priced: dict[str, _Priced] = {}
+        self._state = SessionTable()
+        self._changes = ViewDiff()
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -191,17 +127,22 @@ class CostPolicy(RetentionPolicy):
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
-        events = self._tracker.update(view, now)
+        changes = self._changes.update(view.sessions)  # one pass over the view for all three
+        events = self._tracker.update(view, now, changes)
         self.predictor.observe(events)
-        self.demand.observe(view, now)
+        self.demand.observe(view, now, changes)
         if self.calibration is not None:
             self.calibration.observe(events)
             self.calibration.expire(now)
-        sessions = sorted(view.candidates(now), key=lambda s: s.session_id)
-        chunks = self._chunks(sessions, remember=True)
+        candidates = self._state.sync(view, changes, now)
+        columns = self._state.columns(candidates)
+        chunks = _chunk_table(
+            candidates.sessions, candidates.row_session, columns, candidates.weight
+        )
         movable = self._movable(view, chunks)
-        table = self._table(view, chunks, now, self._fixed_occupancy(view, movable))
-        return _actions(table, self._allocate(view, table, movable, now), self.forms)
+        table = self._priced_table(view, candidates, chunks, now, movable)
+        placed = self._allocate(view, table, movable, now)
+        return _actions(table, placed, self.forms, candidates.keeps, candidates.chunk_keeps)
 
     def _movable(self, view: PolicyView, chunks: _Table) -> dict[str, int]:
         """Bytes per tier the candidates' chunks may be placed in: capacity minus everything
@@ -219,141 +160,110 @@ class CostPolicy(RetentionPolicy):
     def value(
         self, view: PolicyView, session: SessionView, now: float
     ) -> dict[int, dict[str, float]]:
-        """Net value per chunk index and tier: the numbers the policy decides on."""
+        """Net value per chunk index and tier: the numbers the policy decides on, priced from
+        scratch (nothing kept from a decision is used)."""
         candidates = sorted(view.candidates(now), key=lambda s: s.session_id)
-        occupancy = self._fixed_occupancy(view, self._movable(view, self._chunks(candidates)))
-        table = self._table(view, self._chunks([session]), now, occupancy, record=False)
+        occupancy = self._fixed_occupancy(view, self._movable(view, _fresh_chunks(candidates)))
+        chunks = _fresh_chunks([session])
+        if not len(chunks.size):
+            return {}
+        tiers = view.tier_names
+        q, d = self._schedules([session], np.array([session.idle_s(now)]))
+        prices = self._prices(tiers, occupancy)
+        values, _ = self._induction(chunks, q, d, prices, tiers)
         return {
-            index: {t: float(v) for t, v in zip(table.tiers, row, strict=True) if v > -np.inf}
-            for (_, index), row in zip(table.keys, table.values, strict=True)
+            index: {t: float(v) for t, v in zip(tiers, row, strict=True) if v > -np.inf}
+            for index, row in zip(chunks.index.tolist(), values, strict=True)
         }
 
-    def _chunks(self, sessions: Sequence[SessionView], remember: bool = False) -> _Table:
-        """The sessions' stored chunks as columns (values not filled in). A session's columns
-        (and, once priced, its values) are kept while its view object is unchanged (the
-        simulator and the engine reuse it), so a decision over thousands of idle sessions does
-        not walk every chunk again."""
-        cache = self._priced
-        parts = []
-        for session in sessions:
-            found = cache.get(session.session_id)
-            if found is None or found.view is not session:
-                found = _Priced(session, _columns(session))
-            parts.append(found)
-        if remember:  # only the sessions of this view: memory stays bounded by the view
-            self._priced = {part.view.session_id: part for part in parts}
-        counts = [len(part.columns) for part in parts]
-        data = np.concatenate([part.columns for part in parts]) if parts else np.zeros((0, 5))
-        return _Table(
-            sessions,
-            np.repeat(np.arange(len(sessions)), counts),
-            data[:, 0].astype(int),
-            data[:, 4],
-            data[:, 3],
-            data[:, 1:3],  # tokens, start: replaced by values in `_table`
-            (),
-        )
+    def _prices(self, tiers: Sequence[str], occupancy: Mapping[str, float]) -> np.ndarray:
+        """Each tier's holding cost per byte-second at its occupancy."""
+        return np.array([self.model.hold_cost(1, t, 1.0, occupancy[t]) for t in tiers])
 
-    def _table(
+    def _priced_table(
         self,
         view: PolicyView,
+        candidates: Candidates,
         chunks: _Table,
         now: float,
-        occupancy: Mapping[str, float],
-        record: bool = True,
+        movable: Mapping[str, int],
     ) -> _Table:
-        """Fill in every chunk's values. With `record` (a decision), a session's values are
-        reused from an earlier decision while its view, its return schedule and the prices of
-        the tiers it may use are exactly unchanged (then the values are the ones pricing it
-        again would give): re-pricing only what moved keeps the policy cheaper next to the
-        simulation it runs in."""
+        """Fill in every chunk's values. A session's values are reused from an earlier
+        decision while its view, its return schedule and the prices of the tiers it may use
+        are exactly unchanged (then they are the ones pricing it again would give, see
+        `SessionTable.stale`): re-pricing only what moved keeps the policy cheaper next to
+        the simulation it runs in."""
         tiers = view.tier_names
-        sessions, row_session = chunks.sessions, chunks.row_session
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        q, d = self._schedules(sessions, now)  # [sessions, K]
-        if record and self.calibration is not None:
-            for session, q0 in zip(sessions, q[:, 0], strict=True):
-                self.calibration.predict(session.session_id, now, self.horizon_s, float(q0))
-        prices = np.array([self.model.hold_cost(1, t, 1.0, occupancy[t]) for t in tiers])
-        # in a decision every session has its entry (`_chunks` made them for this view)
-        parts = [self._priced[s.session_id] for s in sessions] if record else []
-        known = [
-            i for i, part in enumerate(parts) if part.values is not None and part.tiers == tiers
-        ]
-        stale = np.ones(len(sessions), dtype=bool)
-        if known:
-            at = np.array(known)
-            stale[at] = _drifted(
-                q[at],
-                d[at],
-                prices,
-                [parts[i] for i in known],
-                np.array([TIER_RANK[t] for t in tiers]),
-            )
-        rows = stale[row_session]
-        fresh_values, fresh_soon = self._induction(chunks, rows, q, d, prices, tiers)
-        if not parts:
-            return dataclasses.replace(
-                chunks, values=fresh_values, tiers=tiers, next_interval=fresh_soon
-            )
-        ends = np.cumsum(np.bincount(row_session[rows], minlength=len(sessions))[stale])
-        first = 0
-        for i, end in zip(np.flatnonzero(stale).tolist(), ends.tolist(), strict=True):
-            block = slice(first, end)
-            parts[i].price(tiers, q[i], d[i], prices, fresh_values[block], fresh_soon[block])
-            first = end
-        values = np.concatenate([part.values for part in parts])
-        soon = np.concatenate([part.soon for part in parts])
+        q, d = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
+        if self.calibration is not None:
+            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q[:, 0].tolist())
+        prices = self._prices(tiers, self._fixed_occupancy(view, movable))
+        state = self._state
+        stale = state.stale(candidates, q, d, prices)
+        if stale.all():  # the usual case: idle time moves every session's return schedule
+            values, soon = self._induction(chunks, q, d, prices, tiers)
+            state.store(candidates, stale, q, d, prices, values, soon)
+        else:
+            fresh = _subset(chunks, stale)
+            fresh_values, fresh_soon = self._induction(fresh, q[stale], d[stale], prices, tiers)
+            state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
+            values, soon = state.values(candidates)
         return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
 
     def _induction(
         self,
         chunks: _Table,
-        rows: np.ndarray,
         q: np.ndarray,
         d: np.ndarray,
         prices: np.ndarray,
         tiers: Sequence[str],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of the chunks `rows` selects, by the backward
-        induction of the module docstring; tier-major arrays, so each stage is a few passes
-        over contiguous rows."""
-        row_session = chunks.row_session[rows]
-        size, rank = chunks.size[rows], chunks.rank[rows]
-        tokens, start = chunks.values[rows, 0], chunks.values[rows, 1]
-        weight = np.array([2.0**session.priority for session in chunks.sessions])[row_session]
+        """(values, next interval's saving) of every chunk of `chunks` (whose `values` still
+        hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
+        of the module docstring; tier-major arrays, so each stage is a few passes over
+        contiguous rows."""
+        row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
+        tokens, start = chunks.values[:, 0], chunks.values[:, 1]
+        weight = chunks.weight[row_session]
         # tiers x chunks: what a return saves, and what holding costs per second (the cost
         # model's formulas are plain arithmetic, so they take whole columns at once)
         recompute = self.model.chunk_recompute_s(tokens, start)
         tier_rank = np.array([TIER_RANK[t] for t in tiers])
         gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
         rent = prices[:, None] * size[None, :]
-        q, d = q[row_session].T, d[row_session].T  # [K, chunks]
+        # [K, chunks], each stage contiguous (rows are in session order: a repeat, not a gather)
+        per_session = np.bincount(row_session, minlength=len(q))
+        q, d = np.repeat(q.T, per_session, axis=1), np.repeat(d.T, per_session, axis=1)
         count = len(tiers)
         later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
+        # qk * gain - rent * dk + (1 - qk) * later, in place (two buffers swap roles)
+        stage, term = np.empty_like(gain), np.empty_like(gain)
         for k in range(q.shape[0] - 1, 0, -1):  # past a session's grid q = d = 0: no change
             qk, dk = q[k], d[k]
-            stage = np.maximum(qk * gain - rent * dk + (1 - qk) * later, 0.0)
+            np.multiply(qk, gain, out=stage)
+            np.subtract(stage, np.multiply(rent, dk, out=term), out=stage)
+            np.add(stage, np.multiply(1 - qk, later, out=term), out=stage)
+            np.maximum(stage, 0.0, out=stage)
             for j in range(count - 2, -1, -1):  # the best of this tier and any below it
                 np.maximum(stage[j], stage[j + 1], out=stage[j])
-            later = stage
+            later, stage = stage, later
         q0, d0 = q[0], d[0]
         values = q0 * gain - rent * d0 + (1 - q0) * later
         values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
         return values.T, (q0 * gain).T
 
     def _schedules(
-        self, sessions: Sequence[SessionView], now: float
+        self, sessions: Sequence[SessionView], idle: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """(q, d) per session over the doubling time grid from its idle time to the
-        predictor's cut-off: q[s, k] = P(return in interval k | idle until it), d[s, k] its
-        length; zero past a session's last interval (a session past the cut-off gets one
-        interval of length `horizon_s` with q = 0)."""
+        predictor's cut-off, each session idle `idle` s: q[s, k] = P(return in interval k |
+        idle until it), d[s, k] its length; zero past a session's last interval (a session
+        past the cut-off gets one interval of length `horizon_s` with q = 0)."""
         end = self.predictor.max_age_s
         h = self.horizon_s
-        idle = np.array([session.idle_s(now) for session in sessions], dtype=float)
         # interval k ends at idle + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
         ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
@@ -462,6 +372,51 @@ class CostPolicy(RetentionPolicy):
         return placed
 
 
+def _chunk_table(
+    sessions: Sequence[SessionView],
+    row_session: np.ndarray,
+    columns: np.ndarray,
+    weight: np.ndarray,
+) -> _Table:
+    """The sessions' chunks (`session_table.COLUMNS`, one row each) as a table whose values
+    are not filled in yet."""
+    return _Table(
+        sessions,
+        row_session,
+        columns[:, 0].astype(int),
+        columns[:, 4],
+        columns[:, 3],
+        columns[:, 1:3],  # tokens, start: replaced by values when priced
+        (),
+        weight,
+    )
+
+
+def _subset(chunks: _Table, keep: np.ndarray) -> _Table:
+    """The chunks of the sessions `keep` selects, as a table of those sessions."""
+    rows = keep[chunks.row_session]
+    position = np.cumsum(keep) - 1  # each kept session's place among them
+    return _Table(
+        [session for session, kept in zip(chunks.sessions, keep.tolist(), strict=True) if kept],
+        position[chunks.row_session[rows]],
+        chunks.index[rows],
+        chunks.rank[rows],
+        chunks.size[rows],
+        chunks.values[rows],
+        chunks.tiers,
+        chunks.weight[keep],
+    )
+
+
+def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
+    """`_chunk_table` of sessions read from their views, without the persistent table."""
+    parts = [chunk_columns(session) for session in sessions]
+    counts = [len(part) for part in parts]
+    columns = np.concatenate(parts) if parts else np.zeros((0, COLUMNS))
+    weight = np.array([2.0**session.priority for session in sessions], dtype=float)
+    return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
+
+
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
     """Walk the bidders in order, each taking its size if it fits in what is left; a
     `partial` bidder that does not fit takes all that is left. Returns (who got their size,
@@ -483,14 +438,22 @@ def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.
     return taken, room
 
 
-def _actions(table: _Table, placed: np.ndarray, forms: FormChooser | None) -> list[Action]:
+def _actions(
+    table: _Table,
+    placed: np.ndarray,
+    forms: FormChooser | None,
+    keeps: Sequence[Keep],
+    chunk_keeps: Sequence[dict[int, Keep]],
+) -> list[Action]:
     """`ledger.placement_actions` for the whole table at once: drops first, then moves out of
-    the slowest tiers first, then keeps (one per session left where it is). `forms` picks
-    each move's form (None: the chunk's own). Only the chunks of sessions with a change are
+    the slowest tiers first, then keeps (one per session left where it is: `keeps`, each
+    session's `Keep`; in a session with a change, one per chunk left in place, taken from and
+    added to its `chunk_keeps`, so actions that recur are made once). `forms` picks each
+    move's form (None: the chunk's own). Only the chunks of sessions with a change are
     visited one by one (a few per decision)."""
     sessions = table.sessions
     if not len(placed):
-        return [Keep(session.session_id) for session in sessions]
+        return list(keeps)
     column_of_rank = np.full(len(TIER_RANK), -2)
     for j, tier in enumerate(table.tiers):
         column_of_rank[TIER_RANK[tier]] = j
@@ -506,22 +469,28 @@ def _actions(table: _Table, placed: np.ndarray, forms: FormChooser | None) -> li
         index, target = table.index[block].tolist(), placed[block].tolist()
         here, rank = current[block].tolist(), table.rank[block].tolist()
         stored = sessions[s].stored_chunks()
+        memo = chunk_keeps[s]
         kept[s] = []
         for r, (i, to, at) in enumerate(zip(index, target, here, strict=True)):
             if to < 0:
                 drops.append(Drop(sid, i))
             elif to == at:
-                kept[s].append(Keep(sid, i))
+                keep = memo.get(i)
+                if keep is None:
+                    keep = memo[i] = Keep(sid, i)
+                kept[s].append(keep)
             else:
                 chunk, tier = stored[r], table.tiers[to]
                 form = chunk.form if forms is None else forms.choose(chunk, tier)
                 moves.append((-int(rank[r]), Move(sid, i, tier, form)))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
-    keeps: list[Action] = []
-    for s, session in enumerate(sessions):
+    if not kept:
+        return drops + [move for _, move in moves] + list(keeps)
+    left: list[Action] = []
+    for s, keep in enumerate(keeps):
         found = kept.get(s)
         if found is None:
-            keeps.append(Keep(session.session_id))
+            left.append(keep)
         else:
-            keeps += found
-    return drops + [move for _, move in moves] + keeps
+            left += found
+    return drops + [move for _, move in moves] + left

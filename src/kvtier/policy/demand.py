@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.policy.view import PolicyView, SessionView
+from kvtier.policy.view_diff import Changes, diff
 
 SLICES = 32  # levels the demand curve is given at
 
@@ -45,18 +46,20 @@ class DemandForecast:
     _start: float | None = None
     _sizes: deque[float] = field(default_factory=deque, repr=False)
 
-    def observe(self, view: PolicyView, now: float) -> None:
+    def observe(self, view: PolicyView, now: float, changes: Changes | None = None) -> None:
         """Record the turns that appeared since the previous view. A returning session's
-        device bytes are those of the last view that showed it idle."""
+        device bytes are those of the last view that showed it idle. `changes`: the view's
+        against the previous one, where the caller has them already."""
         if self._start is None:
             self._start = now
         bpt = view.bytes_per_token
-        seen_now: dict[str, tuple[SessionView, int, int]] = {}
-        for session in view.sessions:
-            before = self._seen.get(session.session_id)
-            if before is not None and before[0] is session:
-                seen_now[session.session_id] = before
-                continue
+        seen = self._seen
+        if changes is None:
+            changes = diff(view.sessions, seen)
+        for session_id in changes.left:  # sessions that left the view are forgotten
+            seen.pop(session_id, None)
+        for session in changes.changed:  # in view order, as arrivals are recorded
+            before = seen.get(session.session_id)
             turns = len(session.turns)
             on_device = before[2] if before is not None else 0
             if session.idle:
@@ -66,8 +69,7 @@ class DemandForecast:
             if bpt and turns and (new or (before is not None and turns > before[1])):
                 context = sum(t.prompt_tokens for t in session.turns) * bpt
                 self._add(session.turns[-1].arrival, max(0.0, context - on_device))
-            seen_now[session.session_id] = (session, turns, on_device)
-        self._seen = seen_now
+            seen[session.session_id] = (session, turns, on_device)
         self._expire(now)
 
     def exceedance(self, horizon_s: float, now: float) -> tuple[np.ndarray, np.ndarray]:

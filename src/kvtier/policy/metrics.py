@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,9 +104,10 @@ class Calibration:
     _sum_hit: list[int] = field(init=False)
     _squared_error: float = 0.0
     _pending_total: int = 0
-    # (deadline, order made, session): which sessions have a prediction due, soonest first, so
-    # `expire` visits only those (entries whose prediction was resolved by a return are skipped)
-    _due: list[tuple[float, int, str]] = field(default_factory=list)
+    # (deadline, order made, sessions): which sessions have a prediction due, soonest first, so
+    # `expire` visits only those (sessions whose prediction was resolved by a return are
+    # skipped); the predictions of one decision share an entry
+    _due: list[tuple[float, int, tuple[str, ...]]] = field(default_factory=list)
     _made: int = 0
 
     def __post_init__(self) -> None:
@@ -124,14 +125,34 @@ class Calibration:
         return True
 
     def predict(self, session_id: str, made_at: float, horizon_s: float, p: float) -> None:
-        if self._pending_total >= self.max_pending:
-            oldest = min(self._pending, key=lambda s: self._pending[s][0][0])
-            self._resolve(self._pending[oldest].popleft()[2], False)
-            self._forget_if_empty(oldest)
-        self._pending[session_id].append((made_at, made_at + horizon_s, p))
-        self._pending_total += 1
-        heapq.heappush(self._due, (made_at + horizon_s, self._made, session_id))
-        self._made += 1
+        self.predict_many((session_id,), made_at, horizon_s, (p,))
+
+    def predict_many(
+        self,
+        session_ids: Sequence[str],
+        made_at: float,
+        horizon_s: float,
+        ps: Sequence[float],
+    ) -> None:
+        """`predict` for each session in order, all made at once (one decision's): they
+        share one entry of the due heap."""
+        deadline = made_at + horizon_s
+        pending = self._pending
+        if self._pending_total + len(session_ids) <= self.max_pending:  # none to evict
+            for session_id, p in zip(session_ids, ps, strict=True):
+                pending[session_id].append((made_at, deadline, p))
+            self._pending_total += len(session_ids)
+        else:
+            for session_id, p in zip(session_ids, ps, strict=True):
+                if self._pending_total >= self.max_pending:
+                    oldest = min(pending, key=lambda s: pending[s][0][0])
+                    self._resolve(pending[oldest].popleft()[2], False)
+                    self._forget_if_empty(oldest)
+                pending[session_id].append((made_at, deadline, p))
+                self._pending_total += 1
+        if session_ids:
+            heapq.heappush(self._due, (deadline, self._made, tuple(session_ids)))
+            self._made += 1
 
     def observe(self, events: Iterable[SessionEvent]) -> None:
         for event in events:
@@ -146,13 +167,13 @@ class Calibration:
     def expire(self, now: float) -> None:
         """Predictions whose horizon ended before `now` without a return were misses."""
         while self._due and self._due[0][0] < now:
-            session_id = heapq.heappop(self._due)[2]
-            queue = self._pending.get(session_id)
-            if queue is None:
-                continue
-            while queue and queue[0][1] < now:
-                self._resolve(queue.popleft()[2], False)
-            self._forget_if_empty(session_id)
+            for session_id in heapq.heappop(self._due)[2]:
+                queue = self._pending.get(session_id)
+                if queue is None:
+                    continue
+                while queue and queue[0][1] < now:
+                    self._resolve(queue.popleft()[2], False)
+                self._forget_if_empty(session_id)
 
     @property
     def resolved(self) -> int:

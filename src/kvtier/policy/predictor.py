@@ -147,7 +147,16 @@ class ReusePredictor:
             self._score(key, session_id, gap_s)
             if gap_s < self.max_age_s:
                 self._remember(session_id, self._bin(gap_s))
-        self.record_gaps(key, (gap_s,))
+        # `record_gaps` for one gap, without building arrays (one call per returning turn)
+        gap = max(gap_s, 0.0)
+        late = gap >= self.max_age_s
+        b = 0 if late else self._bin(gap)
+        for histogram in (self._pooled, self._histogram(key)):
+            if late:
+                histogram.no_return += 1
+            else:
+                histogram.counts[b] += 1
+        self._cache.clear()
 
     def record_gaps(self, key: Key, gaps_s: Iterable[float]) -> None:
         """Many gaps at once, e.g. to warm-start from a trace; gaps past the cut-off age count
@@ -222,21 +231,41 @@ class ReusePredictor:
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
-        out = np.empty((len(sessions), len(self.edges)))
-        per_key: dict[Key, tuple[np.ndarray, float]] = {}  # cdf and session weight, once
+        # the keys' rows gathered at once, then the sessions with their own gaps blended in
+        # at once: per session only lookups (a decision asks for thousands of rows)
+        which: dict[Key, int] = {}  # key -> its row in `cdfs`
+        cdfs: list[np.ndarray] = []
+        weights: list[float] = []
+        rows: list[int] = []
+        own_at: list[int] = []
+        own_ids: list[str] = []
+        own_counts: list[int] = []
+        gaps = self._sessions
         for s, session in enumerate(sessions):
             key = session.reuse_key
-            found = per_key.get(key)
-            if found is None:
+            k = which.get(key)
+            if k is None:
+                k = which[key] = len(cdfs)
                 histogram = self._keys.get(key)
-                weight = math.inf if histogram is None else histogram.session_weight
-                found = per_key[key] = (self._distribution(key)[0], weight)
-            cdf, weight = found
-            own = self._sessions.get(session.session_id) if weight != math.inf else None
-            if own:
-                out[s] = (self._mine(session.session_id) + weight * cdf) / (len(own) + weight)
-            else:
-                out[s] = cdf
+                weights.append(math.inf if histogram is None else histogram.session_weight)
+                cdfs.append(self._distribution(key)[0])
+            rows.append(k)
+            if weights[k] != math.inf:
+                own = gaps.get(session.session_id)
+                if own:
+                    own_at.append(s)
+                    own_ids.append(session.session_id)
+                    own_counts.append(len(own))
+        if not cdfs:
+            return np.empty((0, len(self.edges)))
+        table = np.stack(cdfs)
+        out = table[rows]
+        if own_at:
+            keys = np.array(rows)[own_at]
+            weight = np.array(weights)[keys][:, None]
+            mine = np.stack([self._mine(session_id) for session_id in own_ids])
+            count = np.array(own_counts, dtype=float)[:, None]
+            out[own_at] = (mine + weight * table[keys]) / (count + weight)
         return out
 
     def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
@@ -246,11 +275,6 @@ class ReusePredictor:
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
-
-    def _blend(self, cdf: np.ndarray, session_id: str, weight: float) -> np.ndarray:
-        """The key's cumulative masses blended with the session's own gaps."""
-        own = self._sessions[session_id]
-        return (self._mine(session_id) + weight * cdf) / (len(own) + weight)
 
     def _mine(self, session_id: str) -> np.ndarray:
         """The session's own gaps as cumulative counts at the bin edges, kept until it records
@@ -293,9 +317,21 @@ class ReusePredictor:
         late = gap_s >= self.max_age_s
         b = 0 if late else self._bin(gap_s)
         histogram = self._histogram(key)
+        # only the blended masses at the edges the outcome touches: the blend of `cdf_rows`
+        # on those elements alone (the same operations, so the same numbers)
+        at = (-1,) if late else (b, b + 1)
+        key_at = [float(cdf[i]) for i in at]
+        mine = self._mine(session_id)
+        mine_at = [float(mine[i]) for i in at]
         for i, weight in enumerate(SESSION_WEIGHTS):
-            blended = cdf if weight == math.inf else self._blend(cdf, session_id, weight)
-            p = 1.0 - blended[-1] if late else blended[b + 1] - blended[b]
+            if weight == math.inf:
+                blended = key_at
+            else:
+                blended = [
+                    (m + weight * c) / (len(own) + weight)
+                    for m, c in zip(mine_at, key_at, strict=True)
+                ]
+            p = 1.0 - blended[0] if late else blended[1] - blended[0]
             histogram.scores[i] += math.log(max(p, 1e-12))
 
     def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:

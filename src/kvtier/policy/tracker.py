@@ -5,9 +5,11 @@ tracker remembers how many turns each session had; sessions that leave the view 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from kvtier.policy.view import PolicyView, SessionView
+from kvtier.policy.view_diff import Changes, diff
 
 
 @dataclass(frozen=True)
@@ -33,40 +35,64 @@ class TurnTracker:
         self.max_age_s = max_age_s
         # per session: the view last seen, turns seen, already counted abandoned
         self._seen: dict[str, tuple[SessionView, int, bool]] = {}
+        # (idle since, order, session id, view) of each idle session not counted abandoned,
+        # earliest first: an unchanged session passing the cut-off age is found here instead
+        # of by visiting every session at every update (an entry whose view is no longer the
+        # one seen is stale and skipped)
+        self._idle: list[tuple[float, int, str, SessionView]] = []
+        self._pushed = 0
 
-    def update(self, view: PolicyView, now: float) -> list[SessionEvent]:
+    def update(
+        self, view: PolicyView, now: float, changes: Changes | None = None
+    ) -> list[SessionEvent]:
+        """The events since the previous view. `changes`: the view's against the previous
+        one, where the caller has them already (`view_diff.ViewDiff`)."""
         events: list[SessionEvent] = []
-        seen_now: dict[str, tuple[SessionView, int, bool]] = {}
-        for session in view.sessions:
-            before = self._seen.get(session.session_id)
-            if before is not None and before[0] is session and not self._expires(before, now):
-                # views are reused until the session changes: nothing new to learn from it
-                seen_now[session.session_id] = before
-                continue
-            turns = session.turns
-            # a session seen for the first time contributes from its next turn on
-            seen, abandoned = (len(turns), False) if before is None else before[1:]
-            for i in range(max(seen, 1), len(turns)):
-                ended = turns[i - 1].finished
-                # a return after abandonment was already counted as "no return"
-                if ended is not None and not (abandoned and i == seen):
-                    gap = turns[i].arrival - ended
-                    events.append(
-                        Returned(session.session_id, session.reuse_key, gap, turns[i].arrival)
-                    )
-            abandoned = abandoned and len(turns) == seen
-            if not abandoned and session.idle and session.idle_s(now) >= self.max_age_s:
-                at = session.idle_since + self.max_age_s
-                events.append(Abandoned(session.session_id, session.reuse_key, at))
-                abandoned = True
-            seen_now[session.session_id] = (session, len(turns), abandoned)
-        self._seen = seen_now
+        seen = self._seen
+        if changes is None:
+            changes = diff(view.sessions, seen)
+        for session_id in changes.left:  # sessions that left the view are forgotten
+            seen.pop(session_id, None)
+        # views are reused until the session changes: only changed ones have news
+        for session in changes.changed:
+            self._visit(session, seen.get(session.session_id), now, events)
+        idle = self._idle
+        while idle and now - idle[0][0] >= self.max_age_s:
+            _, _, session_id, session = heapq.heappop(idle)
+            before = seen.get(session_id)
+            if before is not None and before[0] is session:  # unchanged since it was pushed
+                self._visit(session, before, now, events)
         # in session order (each session's own events stay in turn order): what the predictor
         # learns does not depend on the order of the view
         events.sort(key=lambda event: event.session_id)
         return events
 
-    def _expires(self, before: tuple[SessionView, int, bool], now: float) -> bool:
-        """True when an unchanged session passes the cut-off age now, not yet counted."""
-        session, _, abandoned = before
-        return not abandoned and session.idle and session.idle_s(now) >= self.max_age_s
+    def _visit(
+        self,
+        session: SessionView,
+        before: tuple[SessionView, int, bool] | None,
+        now: float,
+        events: list[SessionEvent],
+    ) -> None:
+        """Add the session's events since `before` (what was seen of it; None: nothing)."""
+        turns = session.turns
+        # a session seen for the first time contributes from its next turn on
+        seen, abandoned = (len(turns), False) if before is None else before[1:]
+        for i in range(max(seen, 1), len(turns)):
+            ended = turns[i - 1].finished
+            # a return after abandonment was already counted as "no return"
+            if ended is not None and not (abandoned and i == seen):
+                gap = turns[i].arrival - ended
+                events.append(
+                    Returned(session.session_id, session.reuse_key, gap, turns[i].arrival)
+                )
+        abandoned = abandoned and len(turns) == seen
+        if not abandoned and session.idle and session.idle_s(now) >= self.max_age_s:
+            at = session.idle_since + self.max_age_s
+            events.append(Abandoned(session.session_id, session.reuse_key, at))
+            abandoned = True
+        if session.idle and not abandoned:
+            entry = (session.idle_since, self._pushed, session.session_id, session)
+            heapq.heappush(self._idle, entry)
+            self._pushed += 1
+        self._seen[session.session_id] = (session, len(turns), abandoned)
