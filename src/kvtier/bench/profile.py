@@ -8,8 +8,8 @@ SmolLM2 prefill on one CPU thread is ~100x slower per token than the default Lla
 an H100), and the bill's engine-seconds spent recomputing are this engine's.
 
 Each point prefills `tokens` new tokens after `cached` tokens already in the prefix cache,
-timed twice; the faster run counts (a stall from another process only ever slows one down).
-About 5 s on one CPU thread. The prefix cache is emptied afterwards, so the replay starts
+timed three times; the fastest run counts (a stall from another process only ever slows one down).
+About 3.5 s on one CPU thread. The prefix cache is emptied afterwards, so the replay starts
 cold.
 """
 
@@ -23,10 +23,12 @@ from kvtier.policy.cost_model import CostProfile
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
 
-# (new tokens, cached tokens before them): two prefills from position 0 fix a and b; one
-# after a cached prefix fixes c (the attention over earlier keys)
-POINTS = ((128, 0), (512, 0), (256, 1536))
-REPEATS = 2
+# (new tokens, cached tokens before them): three prefills from position 0 fix a and b; one
+# after a cached prefix fixes c (the attention over earlier keys). One point more than the
+# unknowns, and the best of three runs each: with exactly three points a stall that slowed
+# both runs of the shortest prefill passed for a fixed cost and drove the per-token cost to 0
+POINTS = ((128, 0), (256, 0), (512, 0), (256, 1536))
+REPEATS = 3
 _LOW_TOKEN = 256  # synthetic prompts avoid the special tokens at the start of the vocabulary
 
 
