@@ -253,7 +253,7 @@ def one_context(
         )
         outs, warm_s = restores(engine, tiers, tokens, 1000 * repeat + 1, ["host", "disk"])
         ttft["warm"].append(warm_s)
-        for tier, (out, _) in outs.items():
+        for tier, (out, *_) in outs.items():  # (output, bytes held, chunks layered)
             if out.metrics.prompt_token_sources.get(tier, 0) < tokens // 2:
                 raise RuntimeError(f"the {tier} restore restored too little: {out.metrics}")
             ttft[tier].append(out.metrics.ttft_s)
