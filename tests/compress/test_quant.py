@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
 from kvtier.compress.presses.kivi import KiviPress
@@ -104,3 +106,27 @@ def test_dequantize_into_writes_what_dequantize_returns(bits, dim, group_size):
     dequantize_into(q, whole[:, 1])
     assert torch.equal(whole[:, 1], dequantize(q, torch.bfloat16))
     assert not whole[:, 0].any()  # the other half untouched
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    bits=st.sampled_from([2, 4, 8]),
+    bytes_per_group=st.integers(1, 5),
+    axis=st.integers(0, 3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_into_matches_dequantize_on_any_shape(
+    shape, bits, bytes_per_group, axis, dtype, scale, seed
+):
+    """Any rank, axis, group size (padded or not), bit width and dtype, written into a
+    strided view (every other row of a bigger tensor), bit for bit what `dequantize` gives."""
+    dim = axis % len(shape)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    q = quantize(x, bits, bytes_per_group * 8 // bits, dim)
+    whole = torch.zeros(2 * shape[0], *shape[1:], dtype=dtype)
+    dequantize_into(q, whole[::2])
+    assert torch.equal(whole[::2], dequantize(q, dtype))
+    assert not whole[1::2].any()
