@@ -2,7 +2,7 @@
 
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
-        [--form full,int8,int4]
+        [--form full,int8,int4] [--cold-disk]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -20,8 +20,10 @@ TTFT = first token time - arrival; it includes the prefetch started at arrival, 
 (loads, decoding a quantized form, writes into the pool) and the prefill of the 17 tokens not
 restored. Medians of the repeats are reported, with where the prompt tokens came from and the
 bytes the session occupied in the tier (the tier's own `used_bytes` after the move). Disk
-reads come from the page cache (the segments were just written). Starts its own redis-server
-unless --redis-url.
+reads come from the page cache (the segments were just written), or with `--cold-disk` from
+the device: once the move to disk is flushed, each segment file is fsynced and dropped from
+the page cache (`posix_fadvise(DONTNEED)`, which touches no other file's pages). Starts its
+own redis-server unless --redis-url.
 
 Baselines, timed in every repeat beside the restores (each a median of 5; then the median
 over the repeats): "copy", one torch copy of the bytes the
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -101,7 +104,12 @@ def recompute(engine: Engine, tokens: int, seed: int) -> RequestOutput:
 
 
 def restores(
-    engine: Engine, tiers: TiersConfig, tokens: int, seed: int, sources: list[str]
+    engine: Engine,
+    tiers: TiersConfig,
+    tokens: int,
+    seed: int,
+    sources: list[str],
+    cold_disk: bool = False,
 ) -> tuple[dict[str, tuple[RequestOutput, int]], float]:
     """Per source: the resumed turn's output and the bytes the session held in that tier;
     and the TTFT (s) of the same kind of turn with the history cached on the device."""
@@ -116,11 +124,26 @@ def restores(
         connector.runner.execute(Move(session, None, source))
         if not connector.flush(timeout=120):
             raise RuntimeError(f"moving the session to {source} did not finish")
+        if source == "disk" and cold_disk:
+            evict_from_page_cache(tiers.disk_dir)
         stored = connector.store.tiers[source].used_bytes
         # the next turn has no session id, so the runner keeps turn 1's keys for the next move
         outputs[source] = (timed(engine, history + ids(r, 16)), stored)
     attach_connector(engine, None)
     return outputs, warm
+
+
+def evict_from_page_cache(directory: Path) -> None:
+    """Every file under `directory` written back and dropped from the page cache, so that
+    the next reads of it come from the device."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def median_ms(run, repeats: int = 5) -> float:
@@ -185,6 +208,9 @@ def main() -> None:
     parser.add_argument(
         "--form", default="full", help="comma-separated forms of disk and remote: full,int8,int4"
     )
+    parser.add_argument(
+        "--cold-disk", action="store_true", help="disk reads from the device, not the page cache"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-resume-"))
@@ -223,7 +249,9 @@ def main() -> None:
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form in forms:
                 tiers = all_tiers(workdir / f"{repeat}-{form}", redis_url, form)
-                outs, warm = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
+                outs, warm = restores(
+                    engine, tiers, args.tokens, 1000 * repeat + 1, tiered, args.cold_disk
+                )
                 baseline_runs["prefill"].append(warm * 1000)
                 for tier in tiered:
                     source = f"{tier} {form}" if form != "full" and tier != "host" else tier
@@ -243,7 +271,8 @@ def main() -> None:
     base = statistics.median(results["recompute"]["ttft_s"])
     print(
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
-        f"thread(s), medians of {args.repeats}\n"
+        f"thread(s), medians of {args.repeats}; disk reads "
+        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}\n"
     )
     print(
         "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
@@ -268,6 +297,7 @@ def main() -> None:
                     "tokens": args.tokens,
                     "repeats": args.repeats,
                     "threads": args.threads,
+                    "cold_disk": args.cold_disk,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
                     "baselines_ms": baselines,
