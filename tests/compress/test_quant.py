@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.compress import quant
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
 from kvtier.compress.presses.kivi import KiviPress
 from kvtier.compress.quant import dequantize, dequantize_into, max_error, quantize
@@ -97,12 +98,14 @@ def test_kivi_keeps_the_residual_window_exact():
 @pytest.mark.parametrize(("dim", "group_size"), [(2, 16), (3, 64), (3, 24), (2, 8)])
 def test_dequantize_into_writes_what_dequantize_returns(bits, dim, group_size):
     """Into a strided slice of a bigger tensor (a chunk's K or V half), padded groups
-    included (24 channels do not divide 64), bit for bit."""
+    included (24 channels do not divide 64), in several tiles and a partial last one, bit
+    for bit."""
     if group_size * bits % 8:
         pytest.skip("group does not fill whole bytes")
-    x = torch.randn(6, 3, 16, 64, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    x = torch.randn(50, 3, 16, 64, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    assert quant._TILE_VALUES < x.numel() < 2 * quant._TILE_VALUES  # two tiles, one partial
     q = quantize(x, bits, group_size, dim)
-    whole = torch.zeros(6, 2, 3, 16, 64, dtype=torch.bfloat16)
+    whole = torch.zeros(50, 2, 3, 16, 64, dtype=torch.bfloat16)
     dequantize_into(q, whole[:, 1])
     assert torch.equal(whole[:, 1], dequantize(q, torch.bfloat16))
     assert not whole[:, 0].any()  # the other half untouched

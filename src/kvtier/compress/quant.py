@@ -111,13 +111,38 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return values.movedim(-1, q.dim).to(dtype).reshape(q.shape)
 
 
+# Values decoded per tile by `dequantize_into`: a tile's float32 buffer (512 KiB) stays in a
+# core's L2 between its passes, and no buffer is large enough for the allocator to map fresh
+# pages (and fault them in) for each chunk.
+_TILE_VALUES = 1 << 17
+
+
 def dequantize_into(q: Quantized, out: torch.Tensor) -> None:
     """`dequantize(q)` written into `out` (any dtype, any strides), bit for bit, with no
-    interleaving or transposing pass over float32 values (a restore decodes whole chunks
-    this way; measured 1.6x faster on a chunk than the unpack-stack-cast-multiply-add-copy
-    sequence it replaced, docs/tiers.md).
+    interleaving or transposing pass over float32 values, in tiles along the first axis
+    (unless that is the grouped one). A restore decodes whole chunks this way (docs/tiers.md,
+    "Quantized forms against full precision": 2x faster than the unpack, cast, scale, shift
+    and transposing copy it replaced)."""
+    if q.dim == 0:  # the codes' first axis is not the values' first axis
+        _dequantize_tile(q, out)
+        return
+    rows = max(1, _TILE_VALUES * q.shape[0] // max(1, q.shape.numel()))
+    for first in range(0, q.shape[0], rows):
+        end = min(first + rows, q.shape[0])
+        tile = Quantized(
+            q.codes[first:end],
+            q.minimum[first:end],
+            q.step[first:end],
+            q.bits,
+            q.dim,
+            q.length,
+            torch.Size((end - first, *q.shape[1:])),
+        )
+        _dequantize_tile(tile, out[first:end])
 
-    Each code position of a byte is cast straight from the packed bytes into its place in a
+
+def _dequantize_tile(q: Quantized, out: torch.Tensor) -> None:
+    """Each code position of a byte is cast straight from the packed bytes into its place in a
     float32 buffer laid out in `out`'s order, so keys (grouped along tokens) land transposed
     in that cast of bytes and not in a later copy of floats; the buffer is scaled and shifted
     in place, then copied once into `out`. The values are `dequantize`'s: a code times a
