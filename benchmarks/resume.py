@@ -2,7 +2,7 @@
 
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
-        [--form full,int8,int4] [--pipeline chunk,layer]
+        [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -20,8 +20,10 @@ TTFT = first token time - arrival; it includes the prefetch started at arrival, 
 (loads, decoding a quantized form, writes into the pool) and the prefill of the 17 tokens not
 restored. Medians of the repeats are reported, with where the prompt tokens came from and the
 bytes the session occupied in the tier (the tier's own `used_bytes` after the move). Disk
-reads come from the page cache (the segments were just written). Starts its own redis-server
-unless --redis-url.
+reads come from the page cache (the segments were just written), or with `--cold-disk` from
+the device: once the move to disk is flushed, each segment file is fsynced and dropped from
+the page cache (`posix_fadvise(DONTNEED)`, which touches no other file's pages). Starts its
+own redis-server unless --redis-url.
 
 Baselines, timed in every repeat beside the restores (each a median of 5; then the median
 over the repeats): "copy", one torch copy of the bytes the
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -119,7 +122,12 @@ def recompute(engine: Engine, tokens: int, seed: int) -> RequestOutput:
 
 
 def restores(
-    engine: Engine, tiers: TiersConfig, tokens: int, seed: int, sources: list[str]
+    engine: Engine,
+    tiers: TiersConfig,
+    tokens: int,
+    seed: int,
+    sources: list[str],
+    cold_disk: bool = False,
 ) -> tuple[dict[str, tuple[RequestOutput, int, int]], float]:
     """Per source: the resumed turn's output, the bytes the session held in that tier and
     how many of its chunks were restored a layer at a time; and the TTFT (s) of the same kind
@@ -135,6 +143,8 @@ def restores(
         connector.runner.execute(Move(session, None, source))
         if not connector.flush(timeout=120):
             raise RuntimeError(f"moving the session to {source} did not finish")
+        if source == "disk" and cold_disk:
+            evict_from_page_cache(tiers.disk_dir)
         stored = connector.store.tiers[source].used_bytes
         layered = connector.counters["restored_chunks_layered"]
         # the next turn has no session id, so the runner keeps turn 1's keys for the next move
@@ -142,6 +152,19 @@ def restores(
         outputs[source] = (out, stored, connector.counters["restored_chunks_layered"] - layered)
     attach_connector(engine, None)
     return outputs, warm
+
+
+def evict_from_page_cache(directory: Path) -> None:
+    """Every file under `directory` written back and dropped from the page cache, so that
+    the next reads of it come from the device."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def median_ms(run, repeats: int = 5) -> float:
@@ -232,6 +255,9 @@ def main() -> None:
     parser.add_argument(
         "--pipeline", default="chunk", help="comma-separated restore pipelines: chunk,layer"
     )
+    parser.add_argument(
+        "--cold-disk", action="store_true", help="disk reads from the device, not the page cache"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-resume-"))
@@ -276,7 +302,9 @@ def main() -> None:
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form, pipe in variants:
                 tiers = all_tiers(workdir / f"{repeat}-{form}-{pipe}", redis_url, form, pipe)
-                outs, warm = restores(engine, tiers, args.tokens, 1000 * repeat + 1, tiered)
+                outs, warm = restores(
+                    engine, tiers, args.tokens, 1000 * repeat + 1, tiered, args.cold_disk
+                )
                 baseline_runs["prefill"].append(warm * 1000)
                 for tier in tiered:
                     if tier == "host" and (form, pipe) != variants[0]:
@@ -296,7 +324,8 @@ def main() -> None:
     base = statistics.median(results["recompute"]["ttft_s"])
     print(
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
-        f"thread(s), medians of {args.repeats}\n"
+        f"thread(s), medians of {args.repeats}; disk reads "
+        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}\n"
     )
     print(
         "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
@@ -326,6 +355,7 @@ def main() -> None:
                     "tokens": args.tokens,
                     "repeats": args.repeats,
                     "threads": args.threads,
+                    "cold_disk": args.cold_disk,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
                     "record_ms_per_chunk": records,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvtier.compress import quant
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
 from kvtier.compress.presses.kivi import KiviPress
 from kvtier.compress.quant import dequantize, dequantize_into, max_error, quantize
@@ -95,12 +98,38 @@ def test_kivi_keeps_the_residual_window_exact():
 @pytest.mark.parametrize(("dim", "group_size"), [(2, 16), (3, 64), (3, 24), (2, 8)])
 def test_dequantize_into_writes_what_dequantize_returns(bits, dim, group_size):
     """Into a strided slice of a bigger tensor (a chunk's K or V half), padded groups
-    included (24 channels do not divide 64), bit for bit."""
+    included (24 channels do not divide 64), in several tiles and a partial last one, bit
+    for bit."""
     if group_size * bits % 8:
         pytest.skip("group does not fill whole bytes")
-    x = torch.randn(6, 3, 16, 64, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    x = torch.randn(50, 3, 16, 64, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    assert quant._TILE_VALUES < x.numel() < 2 * quant._TILE_VALUES  # two tiles, one partial
     q = quantize(x, bits, group_size, dim)
-    whole = torch.zeros(6, 2, 3, 16, 64, dtype=torch.bfloat16)
+    whole = torch.zeros(50, 2, 3, 16, 64, dtype=torch.bfloat16)
     dequantize_into(q, whole[:, 1])
     assert torch.equal(whole[:, 1], dequantize(q, torch.bfloat16))
     assert not whole[:, 0].any()  # the other half untouched
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    bits=st.sampled_from([2, 4, 8]),
+    bytes_per_group=st.integers(1, 5),
+    axis=st.integers(0, 3),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_into_matches_dequantize_on_any_shape(
+    shape, bits, bytes_per_group, axis, dtype, scale, seed
+):
+    """Any rank, axis, group size (padded or not), bit width and dtype, written into a
+    strided view (every other row of a bigger tensor), bit for bit what `dequantize` gives."""
+    dim = axis % len(shape)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    q = quantize(x, bits, bytes_per_group * 8 // bits, dim)
+    whole = torch.zeros(2 * shape[0], *shape[1:], dtype=dtype)
+    dequantize_into(q, whole[::2])
+    assert torch.equal(whole[::2], dequantize(q, dtype))
+    assert not whole[1::2].any()
