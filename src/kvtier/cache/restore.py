@@ -37,7 +37,7 @@ from kvtier.cache.config import TiersConfig
 from kvtier.cache.forms import ChunkForms, Restored
 from kvtier.cache.layers import LayerJob, LayerLoader
 from kvtier.engine.request import Request
-from kvtier.tiers import Chunk, Mover, Payload, TieredStore
+from kvtier.tiers import Chunk, Mover, Payload, Placement, TieredStore
 from kvtier.tiers.payload import as_buffer
 from kvtier.tiers.vocab import DEVICE, FULL, RECOMPUTED, SOURCES
 
@@ -143,9 +143,13 @@ class Restorer:
         placement = self.store.locate(chunk_id)
         if placement is None:
             return False
-        tier = self.store.tiers[placement.tier]
         # A layered chunk is read a layer at a time beside the forward instead.
-        return not tier.in_memory and not (self.layered and tier.layered and placement.form == FULL)
+        return not self.store.tiers[placement.tier].in_memory and not self._by_layers(placement)
+
+    def _by_layers(self, placement: Placement) -> bool:
+        """Whether a chunk stored here is read a layer at a time (the pipelined restore is on,
+        and the tier holds full-precision chunks as layered records)."""
+        return self.layered and placement.form == FULL and self.store.tiers[placement.tier].layered
 
     def loadable(self, request: Request, num_computed_tokens: int) -> int:
         rid = request.request_id
@@ -286,8 +290,7 @@ class Restorer:
             prefetch = self._prefetches.get(job.request.request_id)
             if (
                 placement is None
-                or placement.form != FULL
-                or not self.store.tiers[placement.tier].layered
+                or not self._by_layers(placement)
                 or job.load.end - job.load.first != len(chunk.keys)
                 or job.load.first % self.chunks.blocks_per_chunk
                 or (prefetch is not None and chunk.id in prefetch[1])

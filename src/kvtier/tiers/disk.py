@@ -99,7 +99,6 @@ class DiskTier(TierBackend):
         )
         self.persist = persist
         self.compact_below = compact_below
-        self._codec = RecordCodec(sealer, signer, layered=layered)
         # Reentrant: used_bytes is read both by callers and from inside locked operations.
         self._lock = threading.RLock()
         self._bounce = AlignedBuffer()
@@ -107,8 +106,8 @@ class DiskTier(TierBackend):
         self.direct = direct and _direct_io_works(self.directory, self._bounce)
         if direct and not self.direct:
             log.info("%s: O_DIRECT refused by the filesystem; using buffered I/O", self.directory)
-        if self.direct:
-            self._codec.layered = False
+        # layered records are read by buffered preadv only (see `layered` above)
+        self._codec = RecordCodec(sealer, signer, layered=layered and not self.direct)
         self._segments: dict[int, Segment] = {}  # oldest first
         self._active: Segment | None = None
         self._index: dict[tuple[str, bytes], _Loc] = {}

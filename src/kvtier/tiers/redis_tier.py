@@ -52,7 +52,9 @@ from kvtier.tiers.record import RecordCodec, RecordHead, deliver, parse_head, ve
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_HEAD_PROBE_BYTES = 1024  # enough for any head this package writes (keys, namespace, shape)
+# enough for any head this package writes (keys, namespace, shape; a layered record's
+# 30-layer table adds about 250 bytes); a longer head is read whole instead
+_HEAD_PROBE_BYTES = 1024
 _UNREADABLE = "\x00unreadable"  # namespace slot for values under our prefix we cannot read
 
 
@@ -214,7 +216,7 @@ class RedisTier(TierBackend):
         return self._codec.layered
 
     def layer_heads(self, keys: Sequence[tuple[bytes, str]]) -> list[RecordHead | None]:
-        """One pipeline: each value's first `_HEAD_PROBE` bytes (GETRANGE) and, as GETEX does
+        """One pipeline: each value's first `_HEAD_PROBE_BYTES` bytes (GETRANGE) and, as GETEX does
         for a whole read, its TTL refreshed."""
         if not self._codec.layered:
             return [None] * len(keys)
@@ -224,7 +226,7 @@ class RedisTier(TierBackend):
             pipe = client.pipeline(transaction=False)
             for key, namespace in keys:
                 rkey = self.redis_key(key, namespace)
-                pipe.getrange(rkey, 0, _HEAD_PROBE - 1)
+                pipe.getrange(rkey, 0, _HEAD_PROBE_BYTES - 1)
                 if px is not None:
                     pipe.pexpire(rkey, px)
             return pipe.execute(raise_on_error=False)
@@ -655,11 +657,6 @@ class RedisTier(TierBackend):
         if held is not None:
             self._used -= held.stored_bytes
         return held is not None
-
-
-# Bytes of a value read to find a layered record's head: key, namespace, metadata and a
-# 30-layer table come to about 400; a longer head is read whole instead.
-_HEAD_PROBE = 1024
 
 
 def _pipelined(client: Any, command: str, rkeys: Sequence[bytes], *args: Any) -> list[Any]:
