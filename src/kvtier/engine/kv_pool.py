@@ -34,7 +34,7 @@ class SlotPlan:
     other tokens (decodes, a chunk's partial first and last blocks) a vector at a time.
     """
 
-    vector_rows: torch.Tensor | None  # rows of K as [tokens * heads, D] written as vectors; None: all
+    vector_rows: torch.Tensor | None  # rows of K [tokens * heads, D] written as vectors (None: all)
     vector_index: torch.Tensor  # their layer-0 K vector index (`token_vector_index`)
     runs: list[tuple[int, int, int]]  # (first token row, first block id, blocks): whole blocks
 
@@ -110,8 +110,9 @@ class KVPool:
             return
         keys, values = key.reshape(-1, d), value.reshape(-1, d)
         if plan.vector_rows is not None:
-            keys, values = keys.index_select(0, plan.vector_rows), values.index_select(
-                0, plan.vector_rows
+            keys, values = (
+                keys.index_select(0, plan.vector_rows),
+                values.index_select(0, plan.vector_rows),
             )
         # index_copy_ of head_dim vectors: 4x faster than index_put_ with broadcast indices.
         vectors = self.kv.view(-1, d)
