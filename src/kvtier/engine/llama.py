@@ -140,14 +140,6 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-# oneDNN lays a packed weight out for the batch size it is told. Packed for one row (decode)
-# a 512-row prefill matmul ran 14% slower than with a weight packed for 512 rows; packed for
-# 512 rows, 1- to 32-row decode matmuls ran 3-9% slower (measured per layer of SmolLM2, one
-# thread). So a CPU bf16 weight is packed twice, and a call takes the copy meant for its rows.
-_PREFILL_PACK_ROWS = 512
-_PREFILL_MIN_ROWS = 64  # where the prefill copy started to win
-
-
 class Linear:
     """y = x @ W^T (+ b), with the weight pre-packed for oneDNN on CPU in bf16.
 
@@ -155,22 +147,16 @@ class Linear:
     packing once at load made the model's matmuls ~1.8x faster at decode batch sizes on
     this CPU (and never slower at prefill sizes), with bitwise identical results. This is
     the packing torch.compile's CPU backend does; other devices and dtypes use F.linear.
-    Packed twice (see above): the weights' memory doubles on that path.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
         self.packed = _can_pack(weight)
-        self.weight = weight
-        self.wide = weight
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            self.wide = torch.ops.mkldnn._reorder_linear_weight(weight, _PREFILL_PACK_ROWS)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            weight = self.wide if x.shape[0] >= _PREFILL_MIN_ROWS else self.weight
-            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
