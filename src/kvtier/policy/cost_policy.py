@@ -107,13 +107,16 @@ class CostPolicy(RetentionPolicy):
     calibration: Calibration | None = None
     demand: DemandForecast = field(default_factory=DemandForecast)
     forms: FormChooser | None = None  # None: a moved chunk keeps its form
+    # a session's values are reused until a return probability or tier price they were
+    # priced at moves by more than this share (`SessionTable.stale`); 0: exact reuse only
+    reprice_tolerance: float = 0.05
     name = "cost"
 
     def __post_init__(self) -> None:
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._state = SessionTable()
+        self._state = SessionTable(self.reprice_tolerance)
         self._changes = ViewDiff()
 
     @classmethod
@@ -264,6 +267,7 @@ class CostPolicy(RetentionPolicy):
         past the cut-off gets one interval of length `horizon_s` with q = 0)."""
         end = self.predictor.max_age_s
         h = self.horizon_s
+        idle = self.predictor.age_floor(idle)
         # interval k ends at idle + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
         ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]

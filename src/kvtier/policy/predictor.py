@@ -351,6 +351,15 @@ class ReusePredictor:
         out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
         return np.where(x >= edges[-1], cdf[-1], out)
 
+    def age_floor(self, idle_s: np.ndarray) -> np.ndarray:
+        """Each idle age rounded down to the bin edge at or below it (ages past the cut-off
+        to the cut-off). Within a bin the histogram knows no more than its log-uniform spread,
+        so a schedule conditioned on the bin's lower edge moves in steps the model resolves:
+        a policy can reuse what it priced until a session's age crosses an edge."""
+        edges = self.edges
+        at = np.searchsorted(edges, np.asarray(idle_s, float), side="right") - 1
+        return edges[np.clip(at, 0, len(edges) - 1)]
+
     def p_no_return(self, session: SessionView | Key) -> float:
         key = session.reuse_key if isinstance(session, SessionView) else session
         return self._distribution(key)[1]
