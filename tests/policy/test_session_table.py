@@ -199,7 +199,7 @@ def test_a_tolerance_reuses_values_until_what_they_were_priced_at_moves_past_it(
     tiny = np.array([[1e-6, 0.2]])
     table.store(found, np.array([True]), tiny, d, prices, values, values)
     assert table.stale(found, tiny * [50.0, 1.0], d, prices).tolist() == [False]
-    assert table.stale(found, tiny + [[2e-4, 0.0]], d, prices).tolist() == [True]
+    assert table.stale(found, tiny + np.array([[2e-4, 0.0]]), d, prices).tolist() == [True]
     # the comparison is with what it was priced at, so small moves add up to a re-pricing
     table.store(found, np.array([True]), q, d, prices, values, values)
     assert table.stale(found, q * 1.03, d, prices).tolist() == [False]
