@@ -262,23 +262,33 @@ class CostPolicy(RetentionPolicy):
         self, sessions: Sequence[SessionView], idle: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """(q, d) per session over the doubling time grid from its idle time to the
-        predictor's cut-off, each session idle `idle` s: q[s, k] = P(return in interval k |
-        idle until it), d[s, k] its length; zero past a session's last interval (a session
-        past the cut-off gets one interval of length `horizon_s` with q = 0)."""
+        predictor's cut-off, each session idle `idle` s, conditioned on the bin edge at or
+        below it (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until
+        it), d[s, k] its length; zero past a session's last interval (a session past the
+        cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
+        distribution and age bin have the same schedule, computed once."""
+        if not len(sessions):
+            return np.zeros((0, 2)), np.zeros((0, 2))
+        table, rows = self.predictor.cdf_table(sessions)
+        floor = self.predictor.age_floor(idle)
+        ages, age_of = np.unique(floor, return_inverse=True)
+        _, first, which = np.unique(
+            rows * len(ages) + age_of, return_index=True, return_inverse=True
+        )
+        idle, cdf = floor[first], table[rows[first]]
         end = self.predictor.max_age_s
         h = self.horizon_s
-        idle = self.predictor.age_floor(idle)
         # interval k ends at idle + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
         ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
         ends = np.minimum(ends, end)
         starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
         d = np.maximum(ends - starts, 0.0)
-        q = self.predictor.p_reuse_sessions(sessions, starts, d)
+        q = self.predictor.p_reuse_cdf(cdf, starts, d)
         q[d <= 0] = 0.0
         past = idle >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
-        return q, d
+        return q[which], d[which]
 
     def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(bytes, seconds per byte) of the bids for free device space. The waiting queue
@@ -318,24 +328,37 @@ class CostPolicy(RetentionPolicy):
 
         values, size, tiers = table.values, table.size, table.tiers
         n, count = values.shape
+        columns = np.ascontiguousarray(values.T)  # one contiguous row per tier
+        # per tier j, the best column at or below it (ties: the faster tier, the first) and
+        # its value, from the slowest tier up
+        best_from = [np.full(n, count - 1)] * count
+        top_from = [columns[count - 1]] * count
+        for j in range(count - 2, -1, -1):
+            here = columns[j] >= top_from[j + 1]
+            best_from[j] = np.where(here, j, best_from[j + 1])
+            top_from[j] = np.where(here, columns[j], top_from[j + 1])
         placed = np.full(n, -1)  # column of the tier each chunk gets; -1: dropped
         pending = np.ones(n, dtype=bool)
         for j, tier in enumerate(tiers):
-            rest = values[:, j:]
-            best = j + np.argmax(rest, axis=1)  # ties: the faster tier (the first)
-            wants = pending & (best == j) & (values[:, j] > 0)
+            wants = pending & (best_from[j] == j) & (columns[j] > 0)
             rows = np.flatnonzero(wants)
-            below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
-            loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
+            room, demand = available[tier], float(size[rows].sum())  # exact: whole bytes
+            if not (tier == "device" and len(reserve[0])) and room > 0 and demand <= room:
+                # every bidder fits: the order they would be served in does not matter
+                placed[rows], pending[rows] = j, False
+                available[tier] = room - demand
+                continue
+            below = np.maximum(top_from[j + 1][rows], 0.0) if j + 1 < count else 0.0
+            loss = (columns[j][rows] - below) / np.maximum(size[rows], 1)  # per byte
             if tier == "device" and j + 1 < count:
                 # device space is auctioned again at every decision and a chunk demoted later
                 # loses nothing more than one demoted now: what keeping it on the device buys
                 # is the next interval's saving over the tier it would go to (a drop cannot
                 # be taken back, so against a drop the whole value is at stake)
-                lower = j + 1 + np.argmax(values[rows, j + 1 :], axis=1)
+                lower = best_from[j + 1][rows]
                 step = table.next_interval[rows, j] - table.next_interval[rows, lower]
                 loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
-            rank = np.lexsort((rows, -loss))  # highest loss first, then key order
+            rank = np.argsort(-loss, kind="stable")  # highest loss first, then key order
             order, bids = rows[rank], loss[rank]
             sizes = size[order]
             partial = np.zeros(len(order), dtype=bool)
@@ -345,7 +368,7 @@ class CostPolicy(RetentionPolicy):
                 bids = np.concatenate([reserve[1], bids])
                 ids = np.concatenate([np.full(len(reserve[0]), -1), order])
                 sizes = np.concatenate([reserve[0], sizes])
-                first = np.lexsort((ids >= 0, -bids))
+                first = np.argsort(-bids, kind="stable")  # reserve first: it comes first
                 order, sizes, partial = ids[first], sizes[first], ids[first] < 0
             taken, available[tier] = _first_fit(sizes, partial, available[tier])
             chosen = order[taken & (order >= 0)]
@@ -363,15 +386,24 @@ class CostPolicy(RetentionPolicy):
         leaving = np.bincount(placed[movers], size[movers], count)
         most = np.array([available[t] for t in tiers]) + leaving
         fits = (better[hopeful] & (size[hopeful, None] <= most[None, :])).any(axis=1)
-        for r in hopeful[fits]:
-            for j in sorted(range(count), key=lambda c: (-values[r, c], c)):
-                if values[r, j] <= current[r]:
+        rows = hopeful[fits]
+        room = [available[t] for t in tiers]
+        for r, row, at, now_worth, bytes_ in zip(
+            rows.tolist(),
+            values[rows].tolist(),
+            placed[rows].tolist(),
+            current[rows].tolist(),
+            size[rows].tolist(),
+            strict=True,
+        ):
+            for j in sorted(range(count), key=lambda c: (-row[c], c)):
+                if row[j] <= now_worth:
                     break
-                if size[r] <= available[tiers[j]]:
-                    available[tiers[j]] -= size[r]
-                    if placed[r] >= 0:
-                        available[tiers[placed[r]]] += size[r]
-                    placed[r] = j
+                if bytes_ <= room[j]:
+                    room[j] -= bytes_
+                    if at >= 0:
+                        room[at] += bytes_
+                    placed[r] = at = j
                     break
         return placed
 
@@ -453,8 +485,9 @@ def _actions(
     the slowest tiers first, then keeps (one per session left where it is: `keeps`, each
     session's `Keep`; in a session with a change, one per chunk left in place, taken from and
     added to its `chunk_keeps`, so actions that recur are made once). `forms` picks each
-    move's form (None: the chunk's own). Only the chunks of sessions with a change are
-    visited one by one (a few per decision)."""
+    move's form (None: the chunk's own). Which rows drop, move or stay is found in array
+    passes; only the drops and moves are built one by one (a few per decision), and the
+    chunk keeps of sessions with a change are looked up in their memo by a C-level map."""
     sessions = table.sessions
     if not len(placed):
         return list(keeps)
@@ -462,39 +495,42 @@ def _actions(
     for j, tier in enumerate(table.tiers):
         column_of_rank[TIER_RANK[tier]] = j
     current = column_of_rank[table.rank.astype(int)]
-    changed = np.bincount(table.row_session, weights=placed != current, minlength=len(sessions))
-    starts = np.searchsorted(table.row_session, np.arange(len(sessions) + 1))
-    drops: list[Action] = []
+    moving = placed != current
+    if not moving.any():
+        return list(keeps)
+    row_session, index = table.row_session, table.index
+    drop_rows = np.flatnonzero(placed < 0)
+    drops: list[Action] = [
+        Drop(sessions[s].session_id, i)
+        for s, i in zip(row_session[drop_rows].tolist(), index[drop_rows].tolist(), strict=True)
+    ]
+    move_rows = np.flatnonzero(moving & (placed >= 0))
+    starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
     moves: list[tuple[int, Action]] = []
-    kept: dict[int, list[Action]] = {}  # per changed session, its chunks left in place
-    for s in np.flatnonzero(changed).tolist():
-        sid, first = sessions[s].session_id, int(starts[s])
-        block = slice(first, int(starts[s + 1]))
-        index, target = table.index[block].tolist(), placed[block].tolist()
-        here, rank = current[block].tolist(), table.rank[block].tolist()
-        stored = sessions[s].stored_chunks()
-        memo = chunk_keeps[s]
-        kept[s] = []
-        for r, (i, to, at) in enumerate(zip(index, target, here, strict=True)):
-            if to < 0:
-                drops.append(Drop(sid, i))
-            elif to == at:
-                keep = memo.get(i)
-                if keep is None:
-                    keep = memo[i] = Keep(sid, i)
-                kept[s].append(keep)
-            else:
-                chunk, tier = stored[r], table.tiers[to]
-                form = chunk.form if forms is None else forms.choose(chunk, tier)
-                moves.append((-int(rank[r]), Move(sid, i, tier, form)))
+    for r, s, i, to, rank in zip(
+        move_rows.tolist(),
+        row_session[move_rows].tolist(),
+        index[move_rows].tolist(),
+        placed[move_rows].tolist(),
+        table.rank[move_rows].tolist(),
+        strict=True,
+    ):
+        session = sessions[s]
+        chunk, tier = session.stored_chunks()[r - int(starts[s])], table.tiers[to]
+        form = chunk.form if forms is None else forms.choose(chunk, tier)
+        moves.append((-int(rank), Move(session.session_id, i, tier, form)))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
-    if not kept:
-        return drops + [move for _, move in moves] + list(keeps)
+    changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
+    stay = ~moving & np.repeat(changed, np.diff(starts))
     left: list[Action] = []
     for s, keep in enumerate(keeps):
-        found = kept.get(s)
-        if found is None:
+        if not changed[s]:
             left.append(keep)
-        else:
-            left += found
+            continue
+        block = slice(int(starts[s]), int(starts[s + 1]))
+        staying = index[block][stay[block]].tolist()
+        memo = chunk_keeps[s]
+        for i in set(staying).difference(memo):
+            memo[i] = Keep(sessions[s].session_id, i)
+        left += map(memo.__getitem__, staying)
     return drops + [move for _, move in moves] + left

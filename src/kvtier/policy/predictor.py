@@ -225,12 +225,24 @@ class ReusePredictor:
     ) -> np.ndarray:
         """`p_reuse_many` for many sessions at once: row s of `idle_s` and `horizon_s` is
         session s's."""
-        cdf = self.cdf_rows(sessions)
+        return self.p_reuse_cdf(self.cdf_rows(sessions), idle_s, horizon_s)
+
+    def p_reuse_cdf(self, cdf: np.ndarray, idle_s: np.ndarray, horizon_s: np.ndarray) -> np.ndarray:
+        """`p_reuse` elementwise, row r of `idle_s` and `horizon_s` under distribution
+        `cdf[r]` (rows of `cdf_table`)."""
         return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
 
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
+        table, rows = self.cdf_table(sessions)
+        return table[rows]
+
+    def cdf_table(self, sessions: Sequence[SessionView]) -> tuple[np.ndarray, np.ndarray]:
+        """(distributions, which one each session has): the distinct cumulative gap masses
+        at the bin edges, one row per key the sessions have and one per session blended with
+        its own gaps (`personal`), and each session's row. Sessions sharing a row share every
+        prediction made from it, so a caller can compute those once."""
         # the keys' rows gathered at once, then the sessions with their own gaps blended in
         # at once: per session only lookups (a decision asks for thousands of rows)
         which: dict[Key, int] = {}  # key -> its row in `cdfs`
@@ -257,16 +269,17 @@ class ReusePredictor:
                     own_ids.append(session.session_id)
                     own_counts.append(len(own))
         if not cdfs:
-            return np.empty((0, len(self.edges)))
+            return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
         table = np.stack(cdfs)
-        out = table[rows]
+        at = np.array(rows, dtype=np.int64)
         if own_at:
-            keys = np.array(rows)[own_at]
+            keys = at[own_at]
             weight = np.array(weights)[keys][:, None]
             mine = np.stack([self._mine(session_id) for session_id in own_ids])
             count = np.array(own_counts, dtype=float)[:, None]
-            out[own_at] = (mine + weight * table[keys]) / (count + weight)
-        return out
+            at[own_at] = len(table) + np.arange(len(own_at))
+            table = np.concatenate([table, (mine + weight * table[keys]) / (count + weight)])
+        return table, at
 
     def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
         start = self._cdf_many(cdf, idle)
