@@ -202,7 +202,7 @@ class CostPolicy(RetentionPolicy):
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
         q, d = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
         if self.calibration is not None:
-            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q[:, 0].tolist())
+            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q[:, 0])
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
