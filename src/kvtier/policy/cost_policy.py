@@ -171,7 +171,7 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             return {}
         tiers = view.tier_names
-        q, d = self._schedules([session], np.array([session.idle_s(now)]))
+        q, d, _ = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
         values, _ = self._induction(chunks, q, d, prices, tiers)
         return {
@@ -200,20 +200,23 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        q, d = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
+        q, d, q_now = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
         if self.calibration is not None:
-            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q[:, 0])
+            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q_now)
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        if stale.all():  # the usual case: idle time moves every session's return schedule
-            values, soon = self._induction(chunks, q, d, prices, tiers)
-            state.store(candidates, stale, q, d, prices, values, soon)
+        if stale.all():  # every session moved: a fresh table, no round trip through the pool
+            values, gain = self._induction(chunks, q, d, prices, tiers)
+            state.store(candidates, stale, q, d, prices, values, gain)
         else:
             fresh = _subset(chunks, stale)
-            fresh_values, fresh_soon = self._induction(fresh, q[stale], d[stale], prices, tiers)
-            state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
-            values, soon = state.values(candidates)
+            fresh_values, fresh_gain = self._induction(fresh, q[stale], d[stale], prices, tiers)
+            state.store(candidates, stale, q, d, prices, fresh_values, fresh_gain)
+            values, gain = state.values(candidates)
+        # the next interval is priced at the exact idle age every decision: the device auction
+        # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
+        soon = q_now[chunks.row_session, None] * gain
         return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
 
     def _induction(
@@ -224,7 +227,7 @@ class CostPolicy(RetentionPolicy):
         prices: np.ndarray,
         tiers: Sequence[str],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of every chunk of `chunks` (whose `values` still
+        """(values, what a return saves) of every chunk of `chunks` (whose `values` still
         hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
         of the module docstring; tier-major arrays, so each stage is a few passes over
         contiguous rows."""
@@ -256,39 +259,43 @@ class CostPolicy(RetentionPolicy):
         q0, d0 = q[0], d[0]
         values = q0 * gain - rent * d0 + (1 - q0) * later
         values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
-        return values.T, (q0 * gain).T
+        return values.T, gain.T
 
     def _schedules(
         self, sessions: Sequence[SessionView], idle: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(q, d) per session over the doubling time grid from its idle time to the
-        predictor's cut-off, each session idle `idle` s, conditioned on the bin edge at or
-        below it (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, d, q_now) per session. q and d over the doubling time grid from its idle time
+        to the predictor's cut-off, conditioned on the bin edge at or below its idle time
+        `idle` (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until
         it), d[s, k] its length; zero past a session's last interval (a session past the
         cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
-        distribution and age bin have the same schedule, computed once."""
+        distribution and age bin have the same schedule, computed once. q_now[s]: P(return
+        within `horizon_s` | idle exactly `idle[s]`), the next interval's chance."""
         if not len(sessions):
-            return np.zeros((0, 2)), np.zeros((0, 2))
+            return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
+        end = self.predictor.max_age_s
+        h = self.horizon_s
         table, rows = self.predictor.cdf_table(sessions)
+        now_for = np.minimum(idle + h, end) - idle
+        q_now = self.predictor.p_reuse_cdf(table[rows], idle[:, None], now_for[:, None])[:, 0]
+        q_now[now_for <= 0] = 0.0
         floor = self.predictor.age_floor(idle)
         ages, age_of = np.unique(floor, return_inverse=True)
         _, first, which = np.unique(
             rows * len(ages) + age_of, return_index=True, return_inverse=True
         )
-        idle, cdf = floor[first], table[rows[first]]
-        end = self.predictor.max_age_s
-        h = self.horizon_s
-        # interval k ends at idle + h * 2**k
+        start, cdf = floor[first], table[rows[first]]
+        # interval k ends at start + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
-        ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
+        ends = start[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
         ends = np.minimum(ends, end)
-        starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
+        starts = np.concatenate([start[:, None], ends[:, :-1]], axis=1)
         d = np.maximum(ends - starts, 0.0)
         q = self.predictor.p_reuse_cdf(cdf, starts, d)
         q[d <= 0] = 0.0
-        past = idle >= end  # nothing left of the grid: one empty interval, as before
+        past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
-        return q[which], d[which]
+        return q[which], d[which], q_now
 
     def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(bytes, seconds per byte) of the bids for free device space. The waiting queue

@@ -101,7 +101,7 @@ class SessionTable:
         self._grow_pool(256)
         self.tiers: tuple[str, ...] = ()
         self._values = np.zeros((len(self._cols), 0))
-        self._soon = np.zeros((len(self._cols), 0))
+        self._gain = np.zeros((len(self._cols), 0))
         self._q = np.zeros((len(self._pinned), 0))
         self._d = np.zeros((len(self._pinned), 0))
         self._prices = np.zeros((len(self._pinned), 0))
@@ -178,7 +178,7 @@ class SessionTable:
         self._cols = np.zeros((size, COLUMNS))
         if "_values" in self.__dict__:
             self._values = np.zeros((size, self._values.shape[1]))
-            self._soon = np.zeros((size, self._soon.shape[1]))
+            self._gain = np.zeros((size, self._gain.shape[1]))
 
     def _load(self, slot: int) -> None:
         """Put the columns of the slot's view in the pool."""
@@ -203,12 +203,12 @@ class SessionTable:
         size = len(self._cols)
         while 2 * (len(live) + n) > size:
             size *= 2
-        cols, values, soon = self._cols[live], self._values[live], self._soon[live]
+        cols, values, gain = self._cols[live], self._values[live], self._gain[live]
         self._grow_pool(size)
-        self._cols[: len(live)], self._values[: len(live)], self._soon[: len(live)] = (
+        self._cols[: len(live)], self._values[: len(live)], self._gain[: len(live)] = (
             cols,
             values,
-            soon,
+            gain,
         )
         self._first[held] = np.cumsum(self._cap[held]) - self._cap[held]
         self._end = len(live)
@@ -221,7 +221,7 @@ class SessionTable:
         if view.tier_names != self.tiers:  # values are per tier: nothing priced still holds
             self.tiers = view.tier_names
             self._values = np.zeros((len(self._cols), len(self.tiers)))
-            self._soon = np.zeros((len(self._cols), len(self.tiers)))
+            self._gain = np.zeros((len(self._cols), len(self.tiers)))
             self._priced[:] = False
         for session_id in changes.left:
             if session_id in self._slot:
@@ -300,20 +300,20 @@ class SessionTable:
         d: np.ndarray,
         prices: np.ndarray,
         values: np.ndarray,
-        soon: np.ndarray,
+        gain: np.ndarray,
     ) -> None:
         """Remember the values the `stale` candidates were just priced at (rows of their
         chunks in order) and what they were priced at."""
         slots = candidates.slots[stale]
         rows = candidates.rows[stale[candidates.row_session]]
-        self._values[rows], self._soon[rows] = values, soon
+        self._values[rows], self._gain[rows] = values, gain
         self._q[slots], self._d[slots] = q[stale], d[stale]
         self._prices[slots] = prices
         self._priced[slots] = True
 
     def values(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of the candidates' chunks, [chunks, tiers]."""
-        return self._values[candidates.rows], self._soon[candidates.rows]
+        """(values, what a return saves) of the candidates' chunks, [chunks, tiers]."""
+        return self._values[candidates.rows], self._gain[candidates.rows]
 
     def priced(self, session_id: str) -> np.ndarray | None:
         """The values a session's chunks were last priced at, [chunks, tiers] in chunk order;
