@@ -350,10 +350,12 @@ class CostPolicy(RetentionPolicy):
             wants = pending & (best_from[j] == j) & (columns[j] > 0)
             rows = np.flatnonzero(wants)
             room, demand = available[tier], float(size[rows].sum())  # exact: whole bytes
-            if not (tier == "device" and len(reserve[0])) and room > 0 and demand <= room:
-                # every bidder fits: the order they would be served in does not matter
+            reserved = float(reserve[0].sum()) if tier == "device" else 0.0
+            if room > 0 and demand + reserved <= room:
+                # every bidder fits, free space's too: the order they are served in does not
+                # matter
                 placed[rows], pending[rows] = j, False
-                available[tier] = room - demand
+                available[tier] = room - demand - reserved
                 continue
             below = np.maximum(top_from[j + 1][rows], 0.0) if j + 1 < count else 0.0
             loss = (columns[j][rows] - below) / np.maximum(size[rows], 1)  # per byte

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -41,7 +42,8 @@ _TIER = attrgetter("tier")
 def chunk_columns(session: SessionView) -> np.ndarray:
     """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
     stored = session.stored_chunks()
-    raw = np.array(list(map(_FIELDS, stored)), dtype=float).reshape(-1, 4)
+    raw = np.fromiter(chain.from_iterable(map(_FIELDS, stored)), float, 4 * len(stored))
+    raw = raw.reshape(-1, 4)
     out = np.empty((len(stored), COLUMNS))
     out[:, 0], out[:, 2], out[:, 3] = raw[:, 0], raw[:, 1], raw[:, 3]
     out[:, 1] = raw[:, 2] - raw[:, 1]  # exact: token counts are far below 2**53
