@@ -13,10 +13,14 @@ itself would make a full tier price out everything in it, empty it, and fill it 
 next tick. How idle KV shares the rest is settled by the auction below.
 
 Whether it returns comes from the predictor, over a time grid that starts now (idle time t0)
-and doubles: t0, t0 + h, t0 + 2h, t0 + 4h, ... up to the cut-off age. q_k = P(return in
-[t_k, t_k+1) | still idle at t_k), d_k = t_k+1 - t_k. Demotions and drops cannot be undone
-(nothing here promotes), so a chunk's value in T is that of holding it there for the next
-interval with the option to demote or drop it later, by backward induction:
+and doubles: t0, t0 + h, t0 + 2h, t0 + 4h, ... up to the cut-off age. For the induction t0 is
+the idle time rounded down to the predictor's bin edge (`ReusePredictor.age_floor`, 14% steps
+by default), so a session's schedule moves in steps and its values are reused until it crosses
+an edge or a probability or price moves by more than `reprice_tolerance`; the next interval's
+chance that the device auction bids with is taken at the exact idle time at every decision.
+q_k = P(return in [t_k, t_k+1) | still idle at t_k), d_k = t_k+1 - t_k. Demotions and drops
+cannot be undone (nothing here promotes), so a chunk's value in T is that of holding it there
+for the next interval with the option to demote or drop it later, by backward induction:
 
     V_K(T) = 0
     V_k(T) = max(0, max over T' at or below T of
@@ -192,10 +196,12 @@ class CostPolicy(RetentionPolicy):
         movable: Mapping[str, int],
     ) -> _Table:
         """Fill in every chunk's values. A session's values are reused from an earlier
-        decision while its view, its return schedule and the prices of the tiers it may use
-        are exactly unchanged (then they are the ones pricing it again would give, see
-        `SessionTable.stale`): re-pricing only what moved keeps the policy cheaper next to
-        the simulation it runs in."""
+        decision while its view is the same, its return schedule (conditioned on its idle
+        age's bin edge, so it moves in steps) has the same interval lengths and return
+        probabilities within `reprice_tolerance`, and so are the prices of the tiers it may
+        use (`SessionTable.stale`): re-pricing only what moved keeps the policy cheaper next
+        to the simulation it runs in. The next interval's saving, which the device auction
+        ranks by, is priced afresh at every decision at the exact idle age."""
         tiers = view.tier_names
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
