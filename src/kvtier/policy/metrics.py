@@ -170,6 +170,7 @@ class Calibration:
             self._resolve(self._batches[-1].close(slice(0, excess)), False)
 
     def observe(self, events: Iterable[SessionEvent]) -> None:
+        outcomes: tuple[list[float], list[float]] = ([], [])  # (missed, returned in time)
         for event in events:
             if not isinstance(event, Returned):
                 continue
@@ -179,7 +180,9 @@ class Calibration:
                 at = batch.position.get(event.session_id)
                 if at is not None and batch.open[at]:
                     batch.open[at] = False
-                    self._resolve(batch.ps[at : at + 1], event.at <= batch.deadline)
+                    outcomes[event.at <= batch.deadline].append(float(batch.ps[at]))
+        for returned, ps in enumerate(outcomes):
+            self._resolve(np.array(ps), bool(returned))
 
     def expire(self, now: float) -> None:
         """Predictions whose horizon ended before `now` without a return were misses."""
