@@ -4,12 +4,12 @@ One slot per session of the view holds what decides whether it is a candidate (p
 TTL, idle since), its priority weight, a whole-session `Keep` made once, and what it was last
 priced at (its return schedule q and d, the tier prices, the fastest tier holding one of its
 chunks). One row per stored chunk, in a pool shared by all sessions, holds the chunk's columns
-(index, tokens, first token, bytes, tier rank) and, once priced, its values. A decision takes in
-the sessions whose view changed (`view_diff`), loads the columns of those that are
-candidates, and does
-the rest as array passes over the slots and the pool: which sessions are candidates, their
-order, their chunks' rows, which of them must be priced again. Before this, each decision
-handed out every session's arrays in Python and concatenated them.
+(index, tokens, first token, bytes, tier rank) and, once priced, its values and what a return
+saves per tier. A decision takes in the sessions whose view changed (`view_diff`), loads the
+columns of those that are candidates, and does the rest as array passes over the slots and
+the pool: which sessions are candidates, their order, their chunks' rows, which of them must
+be priced again. Before this, each decision handed out every session's arrays in Python and
+concatenated them.
 
 A session's rows are reused while its view is the same object; a view with as many stored
 chunks or fewer overwrites them in place, a larger one takes fresh rows at the end of the
