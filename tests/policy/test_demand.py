@@ -52,6 +52,14 @@ def test_one_large_context_every_ten_seconds(kv):
     assert list(tail) == sorted(tail, reverse=True)
 
 
+def test_the_byte_rate_is_what_arrivals_brought_over_the_window(kv):
+    forecast = DemandForecast(window_s=120.0)
+    assert forecast.byte_rate(5.0, 0.0) == 0.0
+    now = feed(kv, forecast, arrivals(kv, 30, 8192, 10.0), 10.0)
+    # the arrivals of the last 120 s (13, counting both ends), over 120 s
+    assert forecast.byte_rate(5.0, now) == pytest.approx(13 * 8192 * kv.BYTES_PER_TOKEN / 120)
+
+
 def test_arrivals_leave_the_window(kv):
     forecast = DemandForecast(window_s=30.0)
     now = feed(kv, forecast, arrivals(kv, 5, 4096, 1.0), 1.0)

@@ -40,9 +40,13 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 (`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
-first and nothing else bids (the engine asks for what it needs now). Losers try
-the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
-is still free if that is worth more. The policy runs again every h seconds and re-decides.
+first and nothing else bids (the engine asks for what it needs now). The bids set how much
+space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
+arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
+P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
+ten minutes though neither is likely back in the next interval. Losers try the next tier; a
+chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
+if that is worth more. The policy runs again every h seconds and re-decides.
 """
 
 from __future__ import annotations
