@@ -40,9 +40,13 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 (`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
-first and nothing else bids (the engine asks for what it needs now). Losers try
-the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
-is still free if that is worth more. The policy runs again every h seconds and re-decides.
+first and nothing else bids (the engine asks for what it needs now). The bids set how much
+space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
+arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
+P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
+ten minutes though neither is likely back in the next interval. Losers try the next tier; a
+chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
+if that is worth more. The policy runs again every h seconds and re-decides.
 """
 
 from __future__ import annotations
@@ -89,6 +93,11 @@ class _Table:
     weight: np.ndarray  # 2 ** priority of each of `sessions`
     # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
     next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # each of `sessions`' return schedule (q, d): P(return in interval k | idle until it), and
+    # the interval's length, over the doubling grid from its idle time [sessions, K]
+    schedule: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros((0, 0)), np.zeros((0, 0)))
+    )
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
@@ -211,7 +220,9 @@ class CostPolicy(RetentionPolicy):
             fresh_values, fresh_soon = self._induction(fresh, q[stale], d[stale], prices, tiers)
             state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
             values, soon = state.values(candidates)
-        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
+        return dataclasses.replace(
+            chunks, values=values, tiers=tiers, next_interval=soon, schedule=(q, d)
+        )
 
     def _induction(
         self,
@@ -303,6 +314,40 @@ class CostPolicy(RetentionPolicy):
             bids += (tail[:-1] * per_byte).tolist()
         return np.array(sizes), np.array(bids)
 
+    def _keepers(
+        self,
+        table: _Table,
+        rows: np.ndarray,
+        lower: np.ndarray,
+        below: np.ndarray,
+        loss: np.ndarray,
+        kept: float,
+        now: float,
+    ) -> np.ndarray:
+        """Which of the device's bidders `rows` (each to go to column `lower` if demoted, or
+        dropped where `below` <= 0, losing `loss` per byte then) get the `kept` bytes the
+        auction leaves idle KV. A chunk kept now stays until arrivals need its space: on a
+        device that stays full, idle KV makes way at the rate arrivals bring bytes, so by
+        Little's law a kept byte stays about `kept / rate` (the characteristic time of an LRU
+        cache, Che et al., IEEE JSAC 2002). Each chunk is ranked by what it saves per byte if
+        its session returns within that time, `P(return within it) * w * L_lower / B`, rather
+        than within one interval: a session due back in 40 s is worth keeping over one due in
+        10 minutes even though neither is likely back in the next 5 s."""
+        rate = self.demand.byte_rate(self.horizon_s, now)
+        end = self.predictor.max_age_s
+        stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
+        back = _return_within(*table.schedule, stay)[table.row_session[rows]]
+        size = np.maximum(table.size[rows], 1)
+        saving = np.zeros(len(rows))
+        for j in np.unique(lower).tolist():
+            at = lower == j
+            saving[at] = self.model.load_s(size[at], table.tiers[j])
+        worth = table.weight[table.row_session[rows]] * back * saving / size
+        worth = np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
+        order = rows[np.lexsort((rows, -worth))]
+        taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
+        return order[taken]
+
     def _allocate(
         self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
     ) -> np.ndarray:
@@ -345,6 +390,12 @@ class CostPolicy(RetentionPolicy):
                 order, sizes, partial = ids[first], sizes[first], ids[first] < 0
             taken, available[tier] = _first_fit(sizes, partial, available[tier])
             chosen = order[taken & (order >= 0)]
+            if tier == "device" and j + 1 < count and len(chosen) < len(rows):
+                # the auction sets how much space idle KV keeps; who keeps it is ranked over
+                # the time that space will stay theirs
+                kept = float(size[chosen].sum())
+                chosen = self._keepers(table, rows, lower, below, loss, kept, now)
+                available[tier] += kept - float(size[chosen].sum())
             placed[chosen] = j
             pending[chosen] = False
 
@@ -415,6 +466,18 @@ def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
     columns = np.concatenate(parts) if parts else np.zeros((0, COLUMNS))
     weight = np.array([2.0**session.priority for session in sessions], dtype=float)
     return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
+
+
+def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:
+    """P(return within `span` s from now) per session, from schedules (q, d) as `_schedules`
+    gives them; the hazard is taken as constant inside each interval."""
+    if not q.size:
+        return np.zeros(len(q))
+    offset = np.cumsum(d, axis=1) - d  # each interval's start, from now
+    inside = np.clip(span - offset, 0.0, d)
+    share = np.divide(inside, d, out=np.zeros_like(d), where=d > 0)
+    stay = np.power(np.clip(1.0 - q, 0.0, 1.0), share)
+    return 1.0 - stay.prod(axis=1)
 
 
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
