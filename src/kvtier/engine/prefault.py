@@ -3,16 +3,16 @@
 Why: the device KV pool on CPU is an anonymous memory map (`kv_pool.zeros`) that the kernel
 fills on first write. Until every block has been written once, a restore into a block no
 request has used yet pays the page faults and the kernel's zeroing inside the copy: the
-first host restore after start-up measured 2-4x slower than later ones (docs/tiers.md, "The
+first host restore after start-up took 2.4-2.6x as long as later ones (docs/tiers.md, "The
 slow first host restore"). Touching the pool while the engine starts costs about 1 s per
 GiB of start-up latency on this VM; doing it here costs none, and the pages are resident
 before the first restores come.
 
-How: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults the pages in writable "as if
-manually writing to each page", without the write: a page already there is left alone and
-a new one is the zero page the first write would have found anyway, so the contents never
-change and the engine may write to the pool at the same time (the kernel serialises the
-two faults of one page). Writing zeros from Python instead would race with the engine's
+How: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults the pages in writable the way a
+write would, but does not write: a page already there is left alone and a new one is the
+zero page the first write would have found anyway, so the contents never change and the
+engine may write to the pool at the same time (the kernel serialises the two faults of one
+page). Writing zeros from Python instead would race with the engine's
 writes. The call goes through ctypes, which releases the GIL, so the engine's thread runs
 Python while the kernel works; it runs in slices, so `close` stops it within one slice, on a
 thread at the lowest CPU priority. Where the call is not supported (older kernels, other
