@@ -6,6 +6,7 @@ written before (version 1) still restore, whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -136,6 +137,43 @@ def test_damaged_layer_mid_chunk_discards_that_request_alone(engine, tmp_path):
     assert sources_b["disk"] == 3 * CHUNK  # the neighbour's restore stands
     assert connector.counters["restore_layer_failures"] == 1
     assert disk.stats.corrupt == 1
+    assert_no_leak(engine)
+
+
+def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_url, forge_layered):
+    """A signing Redis tier (integrity "mac") restores by layers too. One byte of layer 15 of
+    session a's middle chunk is changed with every checksum recomputed: every layer passes its
+    checksum, the signature fails with the last, after the forward has read the rest, so a's
+    step is thrown away and it recomputes from that chunk; b's signed restore stands."""
+    sessions = Sessions(engine)
+    refs = sessions.references()
+    tiers = layered("remote", tmp_path, redis_url, integrity="mac", encrypt_key=bytes(range(32)))
+    tiers = dataclasses.replace(tiers, redis_prefix="kvt-layers-signed")
+    connector = attach_connector(engine, tiers, "offload")
+    sessions.run_firsts()
+    assert connector.flush(timeout=30)
+    rids = sessions.add_seconds()
+    remote = connector.store.tiers["remote"]
+    client = remote._connection()
+    target = chunk_ids(engine, connector, rids["a"])[1]
+    (rkey,) = client.keys(f"kvt-layers-signed:*{target.hex()}")
+
+    def flip_a_byte_of_layer_15(body: bytearray, step: int) -> None:
+        body[15 * step + step // 2] ^= 0xFF
+
+    client.set(rkey, forge_layered(client.get(rkey), flip_a_byte_of_layer_15))
+    results = sessions.finish(rids)
+    assert results["a"][0] == refs["a"]
+    assert results["b"][0] == refs["b"]
+    sources_a = results["a"][1].metrics.prompt_token_sources
+    sources_b = results["b"][1].metrics.prompt_token_sources
+    assert sources_a["remote"] == CHUNK  # the chunk before the forged one; the rest recomputed
+    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
+    assert sources_b["remote"] == 3 * CHUNK
+    counters = connector.counters
+    # a's first chunk and b's three, all signed and restored by layers; a's forged one failed
+    assert counters["restored_chunks_layered"] == 4, sorted(counters.items())
+    assert counters["restore_layer_failures"] == 1
     assert_no_leak(engine)
 
 
