@@ -2,7 +2,8 @@
 
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
-        [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk] [--no-prefault]
+        [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk] [--no-prefault] \
+        [--integrity none|mac]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -23,7 +24,9 @@ bytes the session occupied in the tier (the tier's own `used_bytes` after the mo
 reads come from the page cache (the segments were just written), or with `--cold-disk` from
 the device: once the move to disk is flushed, each segment file is fsynced and dropped from
 the page cache (`posix_fadvise(DONTNEED)`, which touches no other file's pages). Starts its
-own redis-server unless --redis-url. Each timed turn also counts the minor page faults the
+own redis-server unless --redis-url; `--integrity mac` signs the remote tier's values with a
+fixed key (its layered records then are version 3, checked layer by layer and by signature
+with the last layer). Each timed turn also counts the minor page faults the
 engine's thread took in it: first touches of KV pool memory no request had written yet, which
 the engine's background prefault (`EngineConfig.prefault_kv_pool`, on unless `--no-prefault`)
 is there to take off the restores.
@@ -82,7 +85,11 @@ ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 def all_tiers(
-    workdir: Path, redis_url: str, form: str = "full", pipeline: str = "chunk"
+    workdir: Path,
+    redis_url: str,
+    form: str = "full",
+    pipeline: str = "chunk",
+    integrity: str = "none",
 ) -> TiersConfig:
     return TiersConfig(
         host_bytes=512 * MIB,
@@ -94,6 +101,8 @@ def all_tiers(
         redis_timeout_s=5.0,
         forms={"disk": form},  # remote inherits it
         restore_pipeline=pipeline,
+        integrity=integrity,
+        encrypt_key=bytes(range(32)) if integrity == "mac" else None,  # a fixed bench key
     )
 
 
@@ -272,6 +281,12 @@ def main() -> None:
         "--cold-disk", action="store_true", help="disk reads from the device, not the page cache"
     )
     parser.add_argument(
+        "--integrity",
+        choices=["none", "mac"],
+        default="none",
+        help="how the remote tier protects its values: checksummed only, or signed (GMAC)",
+    )
+    parser.add_argument(
         "--no-prefault",
         action="store_true",
         help="leave the KV pool's pages to be faulted in on first use (the engine's default "
@@ -329,7 +344,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form, pipe in variants:
-                tiers = all_tiers(workdir / f"{repeat}-{form}-{pipe}", redis_url, form, pipe)
+                where = workdir / f"{repeat}-{form}-{pipe}"
+                tiers = all_tiers(where, redis_url, form, pipe, args.integrity)
                 outs, warm = restores(
                     engine, tiers, args.tokens, 1000 * repeat + 1, tiered, args.cold_disk
                 )
@@ -353,7 +369,8 @@ def main() -> None:
     print(
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
         f"thread(s), medians of {args.repeats}; disk reads "
-        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}\n"
+        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}; remote "
+        f"values {'signed' if args.integrity == 'mac' else 'checksummed only'}\n"
     )
     print(
         "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
@@ -384,6 +401,7 @@ def main() -> None:
                     "repeats": args.repeats,
                     "threads": args.threads,
                     "cold_disk": args.cold_disk,
+                    "integrity": args.integrity,
                     "prefault_kv_pool": not args.no_prefault,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
