@@ -84,6 +84,20 @@ class Sessions:
         return {name: (outs[rid], finals[rid]) for name, rid in rids.items()}
 
 
+def assert_only_a_recomputes(
+    sessions: Sessions, refs: dict[str, list[int]], results: dict, source: str
+) -> None:
+    """Both outputs are the recomputed ones; session a kept its first chunk from `source` and
+    recomputed the rest (the chunk after it failed), its neighbour b's restore stood."""
+    assert results["a"][0] == refs["a"]
+    assert results["b"][0] == refs["b"]
+    sources_a = results["a"][1].metrics.prompt_token_sources
+    sources_b = results["b"][1].metrics.prompt_token_sources
+    assert sources_a[source] == CHUNK
+    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
+    assert sources_b[source] == 3 * CHUNK
+
+
 def chunk_ids(engine: Engine, connector, rid: str) -> list[bytes]:
     request = engine.scheduler.requests[rid]
     keys = request.keys_of_full_blocks(engine.config.block_size)
@@ -127,14 +141,7 @@ def test_damaged_layer_mid_chunk_discards_that_request_alone(engine, tmp_path):
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
-    results = sessions.finish(rids)
-    assert results["a"][0] == refs["a"]
-    assert results["b"][0] == refs["b"]
-    sources_a = results["a"][1].metrics.prompt_token_sources
-    sources_b = results["b"][1].metrics.prompt_token_sources
-    assert sources_a["disk"] == CHUNK  # the chunk before the damaged one; the rest recomputed
-    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
-    assert sources_b["disk"] == 3 * CHUNK  # the neighbour's restore stands
+    assert_only_a_recomputes(sessions, refs, sessions.finish(rids), "disk")
     assert connector.counters["restore_layer_failures"] == 1
     assert disk.stats.corrupt == 1
     assert_no_leak(engine)
@@ -162,14 +169,7 @@ def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_u
         body[15 * step + step // 2] ^= 0xFF
 
     client.set(rkey, forge_layered(client.get(rkey), flip_a_byte_of_layer_15))
-    results = sessions.finish(rids)
-    assert results["a"][0] == refs["a"]
-    assert results["b"][0] == refs["b"]
-    sources_a = results["a"][1].metrics.prompt_token_sources
-    sources_b = results["b"][1].metrics.prompt_token_sources
-    assert sources_a["remote"] == CHUNK  # the chunk before the forged one; the rest recomputed
-    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
-    assert sources_b["remote"] == 3 * CHUNK
+    assert_only_a_recomputes(sessions, refs, sessions.finish(rids), "remote")
     counters = connector.counters
     # a's first chunk and b's three, all signed and restored by layers; a's forged one failed
     assert counters["restored_chunks_layered"] == 4, sorted(counters.items())

@@ -52,12 +52,18 @@ def as_bytes(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(torch.uint8).view(BLOCKS, LAYERS, -1)
 
 
+def layered_tier_of(request, tmp_path: Path, signer: Signer | None = None):
+    """A disk or Redis tier (`request.param`) writing layered records, signed with `signer`."""
+    if request.param == "disk":
+        return DiskTier(tmp_path / "d", 64 << 20, layered=True, signer=signer)
+    url = request.getfixturevalue("redis_url")
+    prefix = "kvt-signed" if signer else "kvt"
+    return RedisTier(url, 64 << 20, layered=True, signer=signer, prefix=prefix)
+
+
 @pytest.fixture(params=["disk", "redis"])
 def layered_tier(request, tmp_path: Path):
-    if request.param == "disk":
-        tier = DiskTier(tmp_path / "d", 64 << 20, layered=True)
-    else:
-        tier = RedisTier(request.getfixturevalue("redis_url"), 64 << 20, layered=True)
+    tier = layered_tier_of(request, tmp_path)
     yield tier
     tier.close()
 
@@ -156,12 +162,7 @@ def test_layered_record_head_is_version_2_and_scans_back(tmp_path: Path) -> None
 
 @pytest.fixture(params=["disk", "redis"])
 def signed_tier(request, tmp_path: Path):
-    signer = Signer(bytes(range(32)))
-    if request.param == "disk":
-        tier = DiskTier(tmp_path / "d", 64 << 20, layered=True, signer=signer)
-    else:
-        url = request.getfixturevalue("redis_url")
-        tier = RedisTier(url, 64 << 20, layered=True, signer=signer, prefix="kvt-signed")
+    tier = layered_tier_of(request, tmp_path, Signer(bytes(range(32))))
     yield tier
     tier.close()
 
