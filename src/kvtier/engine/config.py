@@ -55,10 +55,11 @@ class EngineConfig:
     kv_quant_group: int = 32
     # Fault the KV pool's pages in on a low-priority background thread after start-up
     # (engine/prefault.py): no start-up latency, and the first restores into blocks no
-    # request has written yet stop paying the page faults (2-4x the copy). The price: the
-    # whole budget becomes resident memory within seconds of start rather than as it fills,
-    # and the kernel's work in the background: 0.12 s of CPU to 3.7 s of wall time per GiB
-    # on this VM (more when the hypervisor backs fresh guest memory on first touch).
+    # request has written yet stop paying the page faults (the first host restore took
+    # 2.4-2.6x as long as later ones). The price: the whole budget becomes resident memory
+    # within seconds of start rather than as it fills, and the kernel's work in the
+    # background: 0.12 s of CPU to 3.7 s of wall time per GiB on this VM (more when the
+    # hypervisor backs fresh guest memory on first touch).
     prefault_kv_pool: bool = True
 
     def __post_init__(self) -> None:

@@ -12,11 +12,11 @@ How: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults the pages in writable t
 write would, but does not write: a page already there is left alone and a new one is the
 zero page the first write would have found anyway, so the contents never change and the
 engine may write to the pool at the same time (the kernel serialises the two faults of one
-page). Writing zeros from Python instead would race with the engine's
-writes. The call goes through ctypes, which releases the GIL, so the engine's thread runs
-Python while the kernel works; it runs in slices, so `close` stops it within one slice, on a
-thread at the lowest CPU priority. Where the call is not supported (older kernels, other
-systems) the pages simply stay on demand, as before.
+page). Writing zeros from Python instead would race with the engine's writes. The call goes
+through ctypes, which releases the GIL, so the engine's thread runs Python while the kernel
+works; it runs in slices, so `close` stops it within one slice, on a thread at the lowest
+CPU priority. Where the call is not supported (older kernels, other systems) the pages
+simply stay on demand, as before.
 """
 
 from __future__ import annotations
