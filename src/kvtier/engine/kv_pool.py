@@ -62,6 +62,10 @@ class KVPool:
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors holding the pool's memory (what `engine.prefault` faults in)."""
+        return [self.kv]
+
     def plan_writes(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Where a step's new tokens go: [N * kv_heads] vectors (of head_dim) of layer 0's
         K, in (token, head) order. Computed once per step; `write_slots` shifts it per

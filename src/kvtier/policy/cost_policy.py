@@ -44,9 +44,13 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 (`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
-first and nothing else bids (the engine asks for what it needs now). Losers try
-the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
-is still free if that is worth more. The policy runs again every h seconds and re-decides.
+first and nothing else bids (the engine asks for what it needs now). The bids set how much
+space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
+arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
+P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
+ten minutes though neither is likely back in the next interval. Losers try the next tier; a
+chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
+if that is worth more. The policy runs again every h seconds and re-decides.
 """
 
 from __future__ import annotations
@@ -93,6 +97,9 @@ class _Table:
     weight: np.ndarray  # 2 ** priority of each of `sessions`
     # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
     next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # each of `sessions`' idle time at the decision (its exact return schedule is priced from
+    # it where the device's keepers are ranked)
+    idle: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
@@ -223,7 +230,9 @@ class CostPolicy(RetentionPolicy):
         # the next interval is priced at the exact idle age every decision: the device auction
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
         soon = q_now[chunks.row_session, None] * gain
-        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
+        return dataclasses.replace(
+            chunks, values=values, tiers=tiers, next_interval=soon, idle=candidates.idle_s
+        )
 
     def _induction(
         self,
@@ -268,7 +277,7 @@ class CostPolicy(RetentionPolicy):
         return values.T, gain.T
 
     def _schedules(
-        self, sessions: Sequence[SessionView], idle: np.ndarray
+        self, sessions: Sequence[SessionView], idle: np.ndarray, step: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q, d, q_now) per session. q and d over the doubling time grid from its idle time
         to the predictor's cut-off, conditioned on the bin edge at or below its idle time
@@ -276,7 +285,8 @@ class CostPolicy(RetentionPolicy):
         it), d[s, k] its length; zero past a session's last interval (a session past the
         cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
         distribution and age bin have the same schedule, computed once. q_now[s]: P(return
-        within `horizon_s` | idle exactly `idle[s]`), the next interval's chance."""
+        within `horizon_s` | idle exactly `idle[s]`), the next interval's chance. `step`
+        False: q and d from the exact idle time."""
         if not len(sessions):
             return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
         end = self.predictor.max_age_s
@@ -285,7 +295,7 @@ class CostPolicy(RetentionPolicy):
         now_for = np.minimum(idle + h, end) - idle
         q_now = self.predictor.p_reuse_cdf(table[rows], idle[:, None], now_for[:, None])[:, 0]
         q_now[now_for <= 0] = 0.0
-        floor = self.predictor.age_floor(idle)
+        floor = self.predictor.age_floor(idle) if step else idle
         ages, age_of = np.unique(floor, return_inverse=True)
         _, first, which = np.unique(
             rows * len(ages) + age_of, return_index=True, return_inverse=True
@@ -329,6 +339,48 @@ class CostPolicy(RetentionPolicy):
             sizes += np.diff(levels).tolist()
             bids += (tail[:-1] * per_byte).tolist()
         return np.array(sizes), np.array(bids)
+
+    def _keepers(
+        self,
+        table: _Table,
+        rows: np.ndarray,
+        lower: np.ndarray,
+        below: np.ndarray,
+        loss: np.ndarray,
+        kept: float,
+        now: float,
+    ) -> np.ndarray:
+        """Which of the device's bidders `rows` (each to go to column `lower` if demoted, or
+        dropped where `below` <= 0, losing `loss` per byte then) get the `kept` bytes the
+        auction leaves idle KV. A chunk kept now stays until arrivals need its space: on a
+        device that stays full, idle KV makes way at the rate arrivals bring bytes, so by
+        Little's law a kept byte stays about `kept / rate` (the characteristic time of an LRU
+        cache, Che et al., IEEE JSAC 2002). Each chunk is ranked by what it saves per byte if
+        its session returns within that time, `P(return within it) * w * L_lower / B`, rather
+        than within one interval: a session due back in 40 s is worth keeping over one due in
+        10 minutes even though neither is likely back in the next 5 s."""
+        rate = self.demand.byte_rate(self.horizon_s, now)
+        end = self.predictor.max_age_s
+        stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
+        # over the schedule from the exact idle time (not the stepped one the induction
+        # prices): sessions in one age bin would tie, and age orders them
+        sessions = np.unique(table.row_session[rows])
+        q, d, _ = self._schedules(
+            [table.sessions[s] for s in sessions.tolist()], table.idle[sessions], step=False
+        )
+        back = np.zeros(len(table.sessions))
+        back[sessions] = _return_within(q, d, stay)
+        back = back[table.row_session[rows]]
+        size = np.maximum(table.size[rows], 1)
+        saving = np.zeros(len(rows))
+        for j in np.unique(lower).tolist():
+            at = lower == j
+            saving[at] = self.model.load_s(size[at], table.tiers[j])
+        worth = table.weight[table.row_session[rows]] * back * saving / size
+        worth = np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
+        order = rows[np.lexsort((rows, -worth))]
+        taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
+        return order[taken]
 
     def _allocate(
         self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
@@ -387,6 +439,12 @@ class CostPolicy(RetentionPolicy):
                 order, sizes, partial = ids[first], sizes[first], ids[first] < 0
             taken, available[tier] = _first_fit(sizes, partial, available[tier])
             chosen = order[taken & (order >= 0)]
+            if tier == "device" and j + 1 < count and len(chosen) < len(rows):
+                # the auction sets how much space idle KV keeps; who keeps it is ranked over
+                # the time that space will stay theirs
+                kept = float(size[chosen].sum())
+                chosen = self._keepers(table, rows, lower, below, loss, kept, now)
+                available[tier] += kept - float(size[chosen].sum())
             placed[chosen] = j
             pending[chosen] = False
 
@@ -466,6 +524,18 @@ def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
     columns = np.concatenate(parts) if parts else np.zeros((0, COLUMNS))
     weight = np.array([2.0**session.priority for session in sessions], dtype=float)
     return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
+
+
+def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:
+    """P(return within `span` s from now) per session, from schedules (q, d) as `_schedules`
+    gives them; the hazard is taken as constant inside each interval."""
+    if not q.size:
+        return np.zeros(len(q))
+    offset = np.cumsum(d, axis=1) - d  # each interval's start, from now
+    inside = np.clip(span - offset, 0.0, d)
+    share = np.divide(inside, d, out=np.zeros_like(d), where=d > 0)
+    stay = np.power(np.clip(1.0 - q, 0.0, 1.0), share)
+    return 1.0 - stay.prod(axis=1)
 
 
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
