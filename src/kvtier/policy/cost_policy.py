@@ -100,6 +100,10 @@ class _Table:
     # each of `sessions`' idle time at the decision (its exact return schedule is priced from
     # it where the device's keepers are ranked)
     idle: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the predictor's distributions (rows) and each of `sessions`' row in them
+    distributions: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+    )
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
@@ -213,7 +217,8 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        q, d, q_now = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
+        cdf = self.predictor.cdf_table(chunks.sessions)
+        q, d, q_now = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
         if self.calibration is not None:
             self.calibration.predict_many(candidates.ids, now, self.horizon_s, q_now)
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
@@ -231,7 +236,12 @@ class CostPolicy(RetentionPolicy):
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
         soon = q_now[chunks.row_session, None] * gain
         return dataclasses.replace(
-            chunks, values=values, tiers=tiers, next_interval=soon, idle=candidates.idle_s
+            chunks,
+            values=values,
+            tiers=tiers,
+            next_interval=soon,
+            idle=candidates.idle_s,
+            distributions=cdf,
         )
 
     def _induction(
@@ -277,7 +287,15 @@ class CostPolicy(RetentionPolicy):
         return values.T, gain.T
 
     def _schedules(
-        self, sessions: Sequence[SessionView], idle: np.ndarray, step: bool = True
+        self, sessions: Sequence[SessionView], idle: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_schedule_rows` of the sessions' distributions (`ReusePredictor.cdf_table`)."""
+        if not len(sessions):
+            return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
+        return self._schedule_rows(*self.predictor.cdf_table(sessions), idle)
+
+    def _schedule_rows(
+        self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray, step: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q, d, q_now) per session. q and d over the doubling time grid from its idle time
         to the predictor's cut-off, conditioned on the bin edge at or below its idle time
@@ -286,12 +304,9 @@ class CostPolicy(RetentionPolicy):
         cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
         distribution and age bin have the same schedule, computed once. q_now[s]: P(return
         within `horizon_s` | idle exactly `idle[s]`), the next interval's chance. `step`
-        False: q and d from the exact idle time."""
-        if not len(sessions):
-            return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
+        False: q and d from the exact idle time. Session s has distribution `table[rows[s]]`."""
         end = self.predictor.max_age_s
         h = self.horizon_s
-        table, rows = self.predictor.cdf_table(sessions)
         now_for = np.minimum(idle + h, end) - idle
         q_now = self.predictor.p_reuse_cdf(table[rows], idle[:, None], now_for[:, None])[:, 0]
         q_now[now_for <= 0] = 0.0
@@ -365,9 +380,8 @@ class CostPolicy(RetentionPolicy):
         # over the schedule from the exact idle time (not the stepped one the induction
         # prices): sessions in one age bin would tie, and age orders them
         sessions = np.unique(table.row_session[rows])
-        q, d, _ = self._schedules(
-            [table.sessions[s] for s in sessions.tolist()], table.idle[sessions], step=False
-        )
+        cdf, which = table.distributions
+        q, d, _ = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
         back = np.zeros(len(table.sessions))
         back[sessions] = _return_within(q, d, stay)
         back = back[table.row_session[rows]]
@@ -378,7 +392,7 @@ class CostPolicy(RetentionPolicy):
             saving[at] = self.model.load_s(size[at], table.tiers[j])
         worth = table.weight[table.row_session[rows]] * back * saving / size
         worth = np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
-        order = rows[np.lexsort((rows, -worth))]
+        order = rows[np.argsort(-worth, kind="stable")]  # rows ascend: ties in key order
         taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
         return order[taken]
 
