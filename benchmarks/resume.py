@@ -2,7 +2,8 @@
 
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
-        [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk]
+        [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk] [--no-prefault] \
+        [--integrity none|mac]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -23,7 +24,12 @@ bytes the session occupied in the tier (the tier's own `used_bytes` after the mo
 reads come from the page cache (the segments were just written), or with `--cold-disk` from
 the device: once the move to disk is flushed, each segment file is fsynced and dropped from
 the page cache (`posix_fadvise(DONTNEED)`, which touches no other file's pages). Starts its
-own redis-server unless --redis-url.
+own redis-server unless --redis-url; `--integrity mac` signs the remote tier's values with a
+fixed key (its layered records then are version 3, checked layer by layer and by signature
+with the last layer). Each timed turn also counts the minor page faults the
+engine's thread took in it: first touches of KV pool memory no request had written yet, which
+the engine's background prefault (`EngineConfig.prefault_kv_pool`, on unless `--no-prefault`)
+is there to take off the restores.
 
 Baselines, timed in every repeat beside the restores (each a median of 5; then the median
 over the repeats): "copy", one torch copy of the bytes the
@@ -54,6 +60,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import tempfile
@@ -78,7 +85,11 @@ ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 def all_tiers(
-    workdir: Path, redis_url: str, form: str = "full", pipeline: str = "chunk"
+    workdir: Path,
+    redis_url: str,
+    form: str = "full",
+    pipeline: str = "chunk",
+    integrity: str = "none",
 ) -> TiersConfig:
     return TiersConfig(
         host_bytes=512 * MIB,
@@ -90,6 +101,8 @@ def all_tiers(
         redis_timeout_s=5.0,
         forms={"disk": form},  # remote inherits it
         restore_pipeline=pipeline,
+        integrity=integrity,
+        encrypt_key=bytes(range(32)) if integrity == "mac" else None,  # a fixed bench key
     )
 
 
@@ -128,10 +141,11 @@ def restores(
     seed: int,
     sources: list[str],
     cold_disk: bool = False,
-) -> tuple[dict[str, tuple[RequestOutput, int, int]], float]:
-    """Per source: the resumed turn's output, the bytes the session held in that tier and
-    how many of its chunks were restored a layer at a time; and the TTFT (s) of the same kind
-    of turn with the history cached on the device."""
+) -> tuple[dict[str, tuple[RequestOutput, int, int, int]], float]:
+    """Per source: the resumed turn's output, the bytes the session held in that tier, how
+    many of its chunks were restored a layer at a time and the minor page faults the engine's
+    thread took during the turn (first touches of pool memory); and the TTFT (s) of the same
+    kind of turn with the history cached on the device."""
     r = random.Random(seed)
     connector = attach_connector(engine, tiers, "retain")
     session = f"bench-{seed}"
@@ -148,10 +162,18 @@ def restores(
         stored = connector.store.tiers[source].used_bytes
         layered = connector.counters["restored_chunks_layered"]
         # the next turn has no session id, so the runner keeps turn 1's keys for the next move
+        faults = minor_faults()
         out = timed(engine, history + ids(r, 16))
-        outputs[source] = (out, stored, connector.counters["restored_chunks_layered"] - layered)
+        faults = minor_faults() - faults
+        layered = connector.counters["restored_chunks_layered"] - layered
+        outputs[source] = (out, stored, layered, faults)
     attach_connector(engine, None)
     return outputs, warm
+
+
+def minor_faults() -> int:
+    """This thread's minor page faults so far (the engine steps on the calling thread)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def evict_from_page_cache(directory: Path) -> None:
@@ -258,6 +280,18 @@ def main() -> None:
     parser.add_argument(
         "--cold-disk", action="store_true", help="disk reads from the device, not the page cache"
     )
+    parser.add_argument(
+        "--integrity",
+        choices=["none", "mac"],
+        default="none",
+        help="how the remote tier protects its values: checksummed only, or signed (GMAC)",
+    )
+    parser.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="leave the KV pool's pages to be faulted in on first use (the engine's default "
+        "before engine/prefault.py)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-resume-"))
@@ -267,7 +301,10 @@ def main() -> None:
         redis_process, redis_url = start_redis(workdir)
     engine = Engine(
         EngineConfig(
-            kv_cache_bytes=256 * MIB, max_model_len=args.tokens + 64, num_threads=args.threads
+            kv_cache_bytes=256 * MIB,
+            max_model_len=args.tokens + 64,
+            num_threads=args.threads,
+            prefault_kv_pool=not args.no_prefault,
         )
     )
     forms = args.form.split(",")
@@ -277,22 +314,28 @@ def main() -> None:
     sources = ["recompute"] + [label(t, *variant) for variant in variants for t in tiered]
     sources = list(dict.fromkeys(sources))  # host appears once per form otherwise
     results: dict[str, dict] = {
-        s: {"ttft_s": [], "sources": None, "stored_bytes": [], "layered_chunks": []}
+        s: {"ttft_s": [], "sources": None, "stored_bytes": [], "layered_chunks": [], "faults": []}
         for s in sources
     }
 
     def record(
-        repeat: int, source: str, out: RequestOutput, stored: int | None = None, layered: int = 0
+        repeat: int,
+        source: str,
+        out: RequestOutput,
+        stored: int | None = None,
+        layered: int = 0,
+        faults: int = 0,
     ) -> None:
         where = {k: v for k, v in out.metrics.prompt_token_sources.items() if v}
         results[source]["ttft_s"].append(out.metrics.ttft_s)
         results[source]["sources"] = where
         results[source]["layered_chunks"].append(layered)
+        results[source]["faults"].append(faults)
         if stored is not None:
             results[source]["stored_bytes"].append(stored)
         print(
             f"repeat {repeat} {source:12s} ttft {out.metrics.ttft_s * 1000:8.1f} ms  {where}"
-            f"  chunks restored by layer: {layered}"
+            f"  chunks restored by layer: {layered}  page faults: {faults}"
         )
 
     # timed in every repeat, beside the restores, so that load on the machine weighs on both
@@ -301,7 +344,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             record(repeat, "recompute", recompute(engine, args.tokens, 1000 * repeat))
             for form, pipe in variants:
-                tiers = all_tiers(workdir / f"{repeat}-{form}-{pipe}", redis_url, form, pipe)
+                where = workdir / f"{repeat}-{form}-{pipe}"
+                tiers = all_tiers(where, redis_url, form, pipe, args.integrity)
                 outs, warm = restores(
                     engine, tiers, args.tokens, 1000 * repeat + 1, tiered, args.cold_disk
                 )
@@ -325,7 +369,8 @@ def main() -> None:
     print(
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
         f"thread(s), medians of {args.repeats}; disk reads "
-        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}\n"
+        f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}; remote "
+        f"values {'signed' if args.integrity == 'mac' else 'checksummed only'}\n"
     )
     print(
         "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
@@ -356,6 +401,8 @@ def main() -> None:
                     "repeats": args.repeats,
                     "threads": args.threads,
                     "cold_disk": args.cold_disk,
+                    "integrity": args.integrity,
+                    "prefault_kv_pool": not args.no_prefault,
                     "forms": forms,
                     "codec_ms_per_chunk": codecs,
                     "record_ms_per_chunk": records,

@@ -25,6 +25,7 @@ redis_server = _tiers.redis_server
 redis_url = _tiers.redis_url
 spawn_redis = _tiers.spawn_redis
 own_redis = _tiers.own_redis
+forge_layered = _tiers.forge_layered
 
 
 @pytest.fixture(scope="session")

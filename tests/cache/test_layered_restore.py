@@ -6,6 +6,7 @@ written before (version 1) still restore, whole."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -83,6 +84,20 @@ class Sessions:
         return {name: (outs[rid], finals[rid]) for name, rid in rids.items()}
 
 
+def assert_only_a_recomputes(
+    sessions: Sessions, refs: dict[str, list[int]], results: dict, source: str
+) -> None:
+    """Both outputs are the recomputed ones; session a kept its first chunk from `source` and
+    recomputed the rest (the chunk after it failed), its neighbour b's restore stood."""
+    assert results["a"][0] == refs["a"]
+    assert results["b"][0] == refs["b"]
+    sources_a = results["a"][1].metrics.prompt_token_sources
+    sources_b = results["b"][1].metrics.prompt_token_sources
+    assert sources_a[source] == CHUNK
+    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
+    assert sources_b[source] == 3 * CHUNK
+
+
 def chunk_ids(engine: Engine, connector, rid: str) -> list[bytes]:
     request = engine.scheduler.requests[rid]
     keys = request.keys_of_full_blocks(engine.config.block_size)
@@ -126,16 +141,39 @@ def test_damaged_layer_mid_chunk_discards_that_request_alone(engine, tmp_path):
         byte = f.read(1)
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
-    results = sessions.finish(rids)
-    assert results["a"][0] == refs["a"]
-    assert results["b"][0] == refs["b"]
-    sources_a = results["a"][1].metrics.prompt_token_sources
-    sources_b = results["b"][1].metrics.prompt_token_sources
-    assert sources_a["disk"] == CHUNK  # the chunk before the damaged one; the rest recomputed
-    assert sources_a["recomputed"] == len(sessions.second("a")) - CHUNK
-    assert sources_b["disk"] == 3 * CHUNK  # the neighbour's restore stands
+    assert_only_a_recomputes(sessions, refs, sessions.finish(rids), "disk")
     assert connector.counters["restore_layer_failures"] == 1
     assert disk.stats.corrupt == 1
+    assert_no_leak(engine)
+
+
+def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_url, forge_layered):
+    """A signing Redis tier (integrity "mac") restores by layers too. One byte of layer 15 of
+    session a's middle chunk is changed with every checksum recomputed: every layer passes its
+    checksum, the signature fails with the last, after the forward has read the rest, so a's
+    step is thrown away and it recomputes from that chunk; b's signed restore stands."""
+    sessions = Sessions(engine)
+    refs = sessions.references()
+    tiers = layered("remote", tmp_path, redis_url, integrity="mac", encrypt_key=bytes(range(32)))
+    tiers = dataclasses.replace(tiers, redis_prefix="kvt-layers-signed")
+    connector = attach_connector(engine, tiers, "offload")
+    sessions.run_firsts()
+    assert connector.flush(timeout=30)
+    rids = sessions.add_seconds()
+    remote = connector.store.tiers["remote"]
+    client = remote._connection()
+    target = chunk_ids(engine, connector, rids["a"])[1]
+    (rkey,) = client.keys(f"kvt-layers-signed:*{target.hex()}")
+
+    def flip_a_byte_of_layer_15(body: bytearray, step: int) -> None:
+        body[15 * step + step // 2] ^= 0xFF
+
+    client.set(rkey, forge_layered(client.get(rkey), flip_a_byte_of_layer_15))
+    assert_only_a_recomputes(sessions, refs, sessions.finish(rids), "remote")
+    counters = connector.counters
+    # a's first chunk and b's three, all signed and restored by layers; a's forged one failed
+    assert counters["restored_chunks_layered"] == 4, sorted(counters.items())
+    assert counters["restore_layer_failures"] == 1
     assert_no_leak(engine)
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.demand import DemandForecast
+from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.view import SessionView, TurnView
 
 GB = 10**9
@@ -48,6 +50,14 @@ def test_one_large_context_every_ten_seconds(kv):
     assert tail[below][1:] == pytest.approx(1 - math.exp(-13 / 120 * 5), rel=0.05)
     assert tail[0] >= tail[-1] and tail[-1] < 0.05
     assert list(tail) == sorted(tail, reverse=True)
+
+
+def test_the_byte_rate_is_what_arrivals_brought_over_the_window(kv):
+    forecast = DemandForecast(window_s=120.0)
+    assert forecast.byte_rate(5.0, 0.0) == 0.0
+    now = feed(kv, forecast, arrivals(kv, 30, 8192, 10.0), 10.0)
+    # the arrivals of the last 120 s (13, counting both ends), over 120 s
+    assert forecast.byte_rate(5.0, now) == pytest.approx(13 * 8192 * kv.BYTES_PER_TOKEN / 120)
 
 
 def test_arrivals_leave_the_window(kv):
@@ -103,3 +113,34 @@ def test_idle_kv_is_demoted_ahead_of_forecast_arrivals(kv):
     assert not any(tier is None for tier in where.values())  # offloaded, not dropped
     after = kv.apply(v, policy.decide(v, now + 1.0))
     assert after.tier("device").free_bytes >= 8192 * kv.BYTES_PER_TOKEN
+
+
+def test_the_device_keeps_the_session_due_back_within_the_time_its_space_stays_free(kv):
+    """Arrivals of one 8K context every 30 s need one of two idle 8K sessions' space. `docqa`
+    always comes back 15-30 s after a turn, so it is never back within the next 5 s; `chat`
+    comes back within seconds one time in ten and otherwise never. Ranked by the next
+    interval alone, `docqa` (about 0 against 0.1) is demoted; a byte kept stays about 30 s
+    (one context's worth at one context per 30 s), within which `docqa` is all but certain
+    to be back and `chat` is not."""
+    rng = np.random.default_rng(0)
+    predictor = ReusePredictor()
+    predictor.record_gaps(("default", "docqa"), rng.uniform(15.0, 30.0, 2000))
+    predictor.record_gaps(("default", "chat"), [*rng.uniform(3.0, 6.0, 200), *[7200.0] * 1800])
+    policy = CostPolicy(kv.slow_model(), predictor=predictor)
+    capacity = {"device": 2 * 8192 * kv.BYTES_PER_TOKEN, "host": 200 * GB}
+    now = 0.0
+    for i in range(10):  # each finished before the next, as new conversations
+        now = 30.0 * i
+        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
+        policy.decide(kv.view([arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    now += 2.0
+    idle = [
+        kv.session(name, 8192, idle_since=now - 2.0, app_class=name) for name in ("chat", "docqa")
+    ]
+    v = kv.view(idle, capacity)
+    assert predictor.p_reuse(idle[0], 2.0, 5.0) > predictor.p_reuse(idle[1], 2.0, 5.0)
+    where = kv.placement(v, policy.decide(v, now))
+    tiers = {sid: {tier for (s, _), tier in where.items() if s == sid} for sid in ("chat", "docqa")}
+    # the forecast's slices free a little more than one context: a tail of docqa goes too
+    assert tiers["chat"] == {"host"}
+    assert "device" in tiers["docqa"]

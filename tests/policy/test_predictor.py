@@ -177,3 +177,14 @@ def test_session_memory_is_bounded():
             predictor.record_gap(KEY, 3.0, session_id=f"s{i}")
     assert len(predictor._sessions) == 10
     assert all(len(gaps) == 3 for gaps in predictor._sessions.values())
+
+
+def test_age_floor_steps_at_the_bin_edges():
+    predictor = ReusePredictor(max_age_s=3600.0, min_gap_s=1.0, bins=64)
+    edges = predictor.edges
+    ages = np.array([0.0, 0.5, edges[5], (edges[5] + edges[6]) / 2, edges[6] - 1e-9, 3600.0, 9e9])
+    floor = predictor.age_floor(ages)
+    assert floor.tolist() == [0.0, 0.0, edges[5], edges[5], edges[5], 3600.0, 3600.0]
+    # conditioning on the floor moves a schedule in steps: the same within a bin
+    within = predictor.p_reuse_many(("t", "chat"), predictor.age_floor(ages[2:5]), np.full(3, 5.0))
+    assert within[0] == within[1] == within[2]

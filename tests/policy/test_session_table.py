@@ -131,7 +131,7 @@ def _apply(kv, v, actions):
 
 def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
     rng = random.Random(7)
-    policy = CostPolicy(kv.slow_model())
+    policy = CostPolicy(kv.slow_model(), reprice_tolerance=0.0)  # exact reuse only
     sessions = [kv.session(f"s{i:02d}", 256 * rng.randint(1, 40)) for i in range(12)]
     capacity = {"device": 40 * GB, "host": 20 * GB, "disk": 1000 * GB}
     v = kv.view(sessions, capacity)
@@ -180,3 +180,27 @@ def test_stale_says_what_no_longer_holds(kv):
     found = table.sync(v, seen.update(v.sessions), 11.0)
     assert table.priced("a") is None
     assert table.stale(found, q, d, prices).tolist() == [True]
+
+
+def test_a_tolerance_reuses_values_until_what_they_were_priced_at_moves_past_it(kv):
+    table, seen = SessionTable(tolerance=0.05), ViewDiff()
+    v = kv.view([kv.session("a", 512, tier="host")], CAPACITY)
+    found = table.sync(v, seen.update(v.sessions), 10.0)
+    q, d = np.array([[0.1, 0.2]]), np.array([[5.0, 10.0]])
+    prices = np.array([1.0, 2.0, 3.0])
+    values = np.arange(6.0).reshape(2, 3)
+    assert table.stale(found, q, d, prices).tolist() == [True]  # never priced
+    table.store(found, np.array([True]), q, d, prices, values, values)
+    assert table.stale(found, q * 1.04, d, prices * 1.04).tolist() == [False]
+    assert table.stale(found, q * 1.06, d, prices).tolist() == [True]
+    assert table.stale(found, q, d, prices * [1.0, 1.0, 1.06]).tolist() == [True]
+    assert table.stale(found, q, d + 1e-9, prices).tolist() == [True]  # lengths: exact
+    # tiny probabilities within the absolute floor count as unchanged, beyond it not
+    tiny = np.array([[1e-6, 0.2]])
+    table.store(found, np.array([True]), tiny, d, prices, values, values)
+    assert table.stale(found, tiny * [50.0, 1.0], d, prices).tolist() == [False]
+    assert table.stale(found, tiny + np.array([[2e-4, 0.0]]), d, prices).tolist() == [True]
+    # the comparison is with what it was priced at, so small moves add up to a re-pricing
+    table.store(found, np.array([True]), q, d, prices, values, values)
+    assert table.stale(found, q * 1.03, d, prices).tolist() == [False]
+    assert table.stale(found, q * 1.03 * 1.03, d, prices).tolist() == [True]

@@ -169,3 +169,29 @@ def same_bytes(a: Payload | None, b: Payload) -> bool:
 @pytest.fixture
 def same() -> Callable[[Payload | None, Payload], bool]:
     return same_bytes
+
+
+def forge_layered_record(raw: bytes, change: Callable[[bytearray, int], None]) -> bytes:
+    """A signed layered record whose body `change(body, layer_bytes)` edited, with its layer
+    checksums, body checksum and head checksum all recomputed (what anyone who can write the
+    store can do) and its signature left as it was (what only the key holder can make)."""
+    import xxhash
+
+    from kvtier.tiers.record import encode_head, parse_head
+
+    head = parse_head(raw)
+    body = bytearray(raw[head.head_len : head.head_len + head.body_len])
+    layers = len(head.layer_sums)
+    step = head.body_len // layers
+    change(body, step)
+    sums = tuple(
+        xxhash.xxh3_64_intdigest(bytes(body[i * step : (i + 1) * step])) for i in range(layers)
+    )
+    meta, flags, at, mac = head.meta, head.flags, head.written_at, head.mac
+    new_head = encode_head(head.key, head.namespace, meta, body, flags, at, mac, layer_sums=sums)
+    return new_head + bytes(body)
+
+
+@pytest.fixture
+def forge_layered() -> Callable[[bytes, Callable[[bytearray, int], None]], bytes]:
+    return forge_layered_record

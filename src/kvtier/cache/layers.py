@@ -21,20 +21,20 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from kvtier.tiers.base import LayerRead, TierBackend
-from kvtier.tiers.record import RecordHead
+from kvtier.tiers.record import LayerCheck
 
 
 class LayerJob(NamedTuple):
-    """One chunk to fill a layer at a time: its layered record `head` in `tier`, and the
-    device blocks it fills (`blocks`: each block's bytes, in the chunk's order; anywhere in
-    the pool)."""
+    """One chunk to fill a layer at a time: the check of its layered record in `tier`
+    (`check.head`: the record's head), and the device blocks it fills (`blocks`: each
+    block's bytes, in the chunk's order; anywhere in the pool)."""
 
     request_id: str
     first: int  # the request's first block this chunk fills
     tier: TierBackend
     key: bytes
     namespace: str
-    head: RecordHead
+    check: LayerCheck
     blocks: list[memoryview]
 
     def slabs(self, layer: int, layers: int) -> list[memoryview]:
@@ -69,7 +69,11 @@ class LayerLoader:
                         return
                     reads = [
                         LayerRead(
-                            job.key, job.namespace, job.head, job.slabs(layer, self.num_layers)
+                            job.key,
+                            job.namespace,
+                            job.check.head,
+                            job.slabs(layer, self.num_layers),
+                            job.check,
                         )
                         for job in (self.jobs[i] for i in indices)
                     ]

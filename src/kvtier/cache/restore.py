@@ -314,7 +314,7 @@ class Restorer:
                     tier,
                     head.key,
                     ns,
-                    head,
+                    tier.layer_check(head),
                     [as_buffer(view.view(torch.uint8).view(-1)) for view in views],
                 )
         return pipelined

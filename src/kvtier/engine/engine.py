@@ -37,6 +37,7 @@ from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.llama import LlamaConfig, LlamaModel, load_weights
 from kvtier.engine.outputs import EngineStats, GenerationOutput, RequestOutput, ScoreOutput
+from kvtier.engine.prefault import Prefaulter
 from kvtier.engine.quant_pool import QuantizedKVPool
 from kvtier.engine.request import FinishReason, Request
 from kvtier.engine.runner import ModelRunner, StepResult
@@ -90,6 +91,8 @@ class Engine:
                 )
             attention = PagedAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
             self.model = LlamaModel(mc, load_weights(model_dir), attention, self.dtype, self.device)
+        # Started once the weights are in, so it does not slow their loading (None: off).
+        self.prefault = Prefaulter(self.kv_pool.buffers()) if config.prefault_kv_pool else None
         self.block_pool = BlockPool(self.kv_pool.num_blocks, config.enable_prefix_caching)
         if isinstance(self.kv_pool, QuantizedKVPool):
             # Lets the packed pool reclaim the full-precision tail of a released block.
@@ -630,7 +633,9 @@ class Engine:
                 self._step_loop.abort_soon(request_id)
 
     def close(self) -> None:
-        """Stop the background step loop (if streaming started it)."""
+        """Stop the background step loop (if streaming started it) and the pool's prefault."""
+        if self.prefault is not None:
+            self.prefault.close()
         if self._step_loop is not None:
             self._step_loop.close()
             self._step_loop = None

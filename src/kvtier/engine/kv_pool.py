@@ -76,6 +76,10 @@ class KVPool:
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors holding the pool's memory (what `engine.prefault` faults in)."""
+        return [self.kv]
+
     def plan_writes(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> SlotPlan:
         """Where a step's new tokens go (`block_ids`, `offsets`: one per token, in the flat
         batch's order). Computed once per step; `write_slots` shifts it per layer. (A packed

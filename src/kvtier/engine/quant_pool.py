@@ -163,6 +163,10 @@ class QuantizedKVPool:
         """Bytes of KV this pool holds: the packed blocks plus the staging tails."""
         return self.num_blocks * self.bytes_per_block + self.staging_bytes
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors holding the pool's memory (what `engine.prefault` faults in)."""
+        return [self.packed, self.staging]
+
     @property
     def num_staged(self) -> int:
         return len(self._staged_block)

@@ -13,10 +13,14 @@ itself would make a full tier price out everything in it, empty it, and fill it 
 next tick. How idle KV shares the rest is settled by the auction below.
 
 Whether it returns comes from the predictor, over a time grid that starts now (idle time t0)
-and doubles: t0, t0 + h, t0 + 2h, t0 + 4h, ... up to the cut-off age. q_k = P(return in
-[t_k, t_k+1) | still idle at t_k), d_k = t_k+1 - t_k. Demotions and drops cannot be undone
-(nothing here promotes), so a chunk's value in T is that of holding it there for the next
-interval with the option to demote or drop it later, by backward induction:
+and doubles: t0, t0 + h, t0 + 2h, t0 + 4h, ... up to the cut-off age. For the induction t0 is
+the idle time rounded down to the predictor's bin edge (`ReusePredictor.age_floor`, 14% steps
+by default), so a session's schedule moves in steps and its values are reused until it crosses
+an edge or a probability or price moves by more than `reprice_tolerance`; the next interval's
+chance that the device auction bids with is taken at the exact idle time at every decision.
+q_k = P(return in [t_k, t_k+1) | still idle at t_k), d_k = t_k+1 - t_k. Demotions and drops
+cannot be undone (nothing here promotes), so a chunk's value in T is that of holding it there
+for the next interval with the option to demote or drop it later, by backward induction:
 
     V_K(T) = 0
     V_k(T) = max(0, max over T' at or below T of
@@ -40,9 +44,13 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 (`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
-first and nothing else bids (the engine asks for what it needs now). Losers try
-the next tier; a chunk no tier takes is dropped. A last pass moves any chunk up into space that
-is still free if that is worth more. The policy runs again every h seconds and re-decides.
+first and nothing else bids (the engine asks for what it needs now). The bids set how much
+space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
+arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
+P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
+ten minutes though neither is likely back in the next interval. Losers try the next tier; a
+chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
+if that is worth more. The policy runs again every h seconds and re-decides.
 """
 
 from __future__ import annotations
@@ -89,6 +97,13 @@ class _Table:
     weight: np.ndarray  # 2 ** priority of each of `sessions`
     # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
     next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # each of `sessions`' idle time at the decision (its exact return schedule is priced from
+    # it where the device's keepers are ranked)
+    idle: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # the predictor's distributions (rows) and each of `sessions`' row in them
+    distributions: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+    )
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
@@ -107,13 +122,16 @@ class CostPolicy(RetentionPolicy):
     calibration: Calibration | None = None
     demand: DemandForecast = field(default_factory=DemandForecast)
     forms: FormChooser | None = None  # None: a moved chunk keeps its form
+    # a session's values are reused until a return probability or tier price they were
+    # priced at moves by more than this share (`SessionTable.stale`); 0: exact reuse only
+    reprice_tolerance: float = 0.05
     name = "cost"
 
     def __post_init__(self) -> None:
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._state = SessionTable()
+        self._state = SessionTable(self.reprice_tolerance)
         self._changes = ViewDiff()
 
     @classmethod
@@ -168,7 +186,7 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             return {}
         tiers = view.tier_names
-        q, d = self._schedules([session], np.array([session.idle_s(now)]))
+        q, d, _ = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
         values, _ = self._induction(chunks, q, d, prices, tiers)
         return {
@@ -189,29 +207,42 @@ class CostPolicy(RetentionPolicy):
         movable: Mapping[str, int],
     ) -> _Table:
         """Fill in every chunk's values. A session's values are reused from an earlier
-        decision while its view, its return schedule and the prices of the tiers it may use
-        are exactly unchanged (then they are the ones pricing it again would give, see
-        `SessionTable.stale`): re-pricing only what moved keeps the policy cheaper next to
-        the simulation it runs in."""
+        decision while its view is the same, its return schedule (conditioned on its idle
+        age's bin edge, so it moves in steps) has the same interval lengths and return
+        probabilities within `reprice_tolerance`, and so are the prices of the tiers it may
+        use (`SessionTable.stale`): re-pricing only what moved keeps the policy cheaper next
+        to the simulation it runs in. The next interval's saving, which the device auction
+        ranks by, is priced afresh at every decision at the exact idle age."""
         tiers = view.tier_names
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        q, d = self._schedules(chunks.sessions, candidates.idle_s)  # [sessions, K]
+        cdf = self.predictor.cdf_table(chunks.sessions)
+        q, d, q_now = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
         if self.calibration is not None:
-            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q[:, 0].tolist())
+            self.calibration.predict_many(candidates.ids, now, self.horizon_s, q_now)
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        if stale.all():  # the usual case: idle time moves every session's return schedule
-            values, soon = self._induction(chunks, q, d, prices, tiers)
-            state.store(candidates, stale, q, d, prices, values, soon)
+        if stale.all():  # every session moved: a fresh table, no round trip through the pool
+            values, gain = self._induction(chunks, q, d, prices, tiers)
+            state.store(candidates, stale, q, d, prices, values, gain)
         else:
             fresh = _subset(chunks, stale)
-            fresh_values, fresh_soon = self._induction(fresh, q[stale], d[stale], prices, tiers)
-            state.store(candidates, stale, q, d, prices, fresh_values, fresh_soon)
-            values, soon = state.values(candidates)
-        return dataclasses.replace(chunks, values=values, tiers=tiers, next_interval=soon)
+            fresh_values, fresh_gain = self._induction(fresh, q[stale], d[stale], prices, tiers)
+            state.store(candidates, stale, q, d, prices, fresh_values, fresh_gain)
+            values, gain = state.values(candidates)
+        # the next interval is priced at the exact idle age every decision: the device auction
+        # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
+        soon = q_now[chunks.row_session, None] * gain
+        return dataclasses.replace(
+            chunks,
+            values=values,
+            tiers=tiers,
+            next_interval=soon,
+            idle=candidates.idle_s,
+            distributions=cdf,
+        )
 
     def _induction(
         self,
@@ -221,7 +252,7 @@ class CostPolicy(RetentionPolicy):
         prices: np.ndarray,
         tiers: Sequence[str],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of every chunk of `chunks` (whose `values` still
+        """(values, what a return saves) of every chunk of `chunks` (whose `values` still
         hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
         of the module docstring; tier-major arrays, so each stage is a few passes over
         contiguous rows."""
@@ -253,28 +284,49 @@ class CostPolicy(RetentionPolicy):
         q0, d0 = q[0], d[0]
         values = q0 * gain - rent * d0 + (1 - q0) * later
         values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
-        return values.T, (q0 * gain).T
+        return values.T, gain.T
 
     def _schedules(
         self, sessions: Sequence[SessionView], idle: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(q, d) per session over the doubling time grid from its idle time to the
-        predictor's cut-off, each session idle `idle` s: q[s, k] = P(return in interval k |
-        idle until it), d[s, k] its length; zero past a session's last interval (a session
-        past the cut-off gets one interval of length `horizon_s` with q = 0)."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_schedule_rows` of the sessions' distributions (`ReusePredictor.cdf_table`)."""
+        if not len(sessions):
+            return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
+        return self._schedule_rows(*self.predictor.cdf_table(sessions), idle)
+
+    def _schedule_rows(
+        self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray, step: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q, d, q_now) per session. q and d over the doubling time grid from its idle time
+        to the predictor's cut-off, conditioned on the bin edge at or below its idle time
+        `idle` (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until
+        it), d[s, k] its length; zero past a session's last interval (a session past the
+        cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
+        distribution and age bin have the same schedule, computed once. q_now[s]: P(return
+        within `horizon_s` | idle exactly `idle[s]`), the next interval's chance. `step`
+        False: q and d from the exact idle time. Session s has distribution `table[rows[s]]`."""
         end = self.predictor.max_age_s
         h = self.horizon_s
-        # interval k ends at idle + h * 2**k
+        now_for = np.minimum(idle + h, end) - idle
+        q_now = self.predictor.p_reuse_cdf(table[rows], idle[:, None], now_for[:, None])[:, 0]
+        q_now[now_for <= 0] = 0.0
+        floor = self.predictor.age_floor(idle) if step else idle
+        ages, age_of = np.unique(floor, return_inverse=True)
+        _, first, which = np.unique(
+            rows * len(ages) + age_of, return_index=True, return_inverse=True
+        )
+        start, cdf = floor[first], table[rows[first]]
+        # interval k ends at start + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
-        ends = idle[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
+        ends = start[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
         ends = np.minimum(ends, end)
-        starts = np.concatenate([idle[:, None], ends[:, :-1]], axis=1)
+        starts = np.concatenate([start[:, None], ends[:, :-1]], axis=1)
         d = np.maximum(ends - starts, 0.0)
-        q = self.predictor.p_reuse_sessions(sessions, starts, d)
+        q = self.predictor.p_reuse_cdf(cdf, starts, d)
         q[d <= 0] = 0.0
-        past = idle >= end  # nothing left of the grid: one empty interval, as before
+        past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
-        return q, d
+        return q[which], d[which], q_now
 
     def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(bytes, seconds per byte) of the bids for free device space. The waiting queue
@@ -303,6 +355,47 @@ class CostPolicy(RetentionPolicy):
             bids += (tail[:-1] * per_byte).tolist()
         return np.array(sizes), np.array(bids)
 
+    def _keepers(
+        self,
+        table: _Table,
+        rows: np.ndarray,
+        lower: np.ndarray,
+        below: np.ndarray,
+        loss: np.ndarray,
+        kept: float,
+        now: float,
+    ) -> np.ndarray:
+        """Which of the device's bidders `rows` (each to go to column `lower` if demoted, or
+        dropped where `below` <= 0, losing `loss` per byte then) get the `kept` bytes the
+        auction leaves idle KV. A chunk kept now stays until arrivals need its space: on a
+        device that stays full, idle KV makes way at the rate arrivals bring bytes, so by
+        Little's law a kept byte stays about `kept / rate` (the characteristic time of an LRU
+        cache, Che et al., IEEE JSAC 2002). Each chunk is ranked by what it saves per byte if
+        its session returns within that time, `P(return within it) * w * L_lower / B`, rather
+        than within one interval: a session due back in 40 s is worth keeping over one due in
+        10 minutes even though neither is likely back in the next 5 s."""
+        rate = self.demand.byte_rate(self.horizon_s, now)
+        end = self.predictor.max_age_s
+        stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
+        # over the schedule from the exact idle time (not the stepped one the induction
+        # prices): sessions in one age bin would tie, and age orders them
+        sessions = np.unique(table.row_session[rows])
+        cdf, which = table.distributions
+        q, d, _ = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
+        back = np.zeros(len(table.sessions))
+        back[sessions] = _return_within(q, d, stay)
+        back = back[table.row_session[rows]]
+        size = np.maximum(table.size[rows], 1)
+        saving = np.zeros(len(rows))
+        for j in np.unique(lower).tolist():
+            at = lower == j
+            saving[at] = self.model.load_s(size[at], table.tiers[j])
+        worth = table.weight[table.row_session[rows]] * back * saving / size
+        worth = np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
+        order = rows[np.argsort(-worth, kind="stable")]  # rows ascend: ties in key order
+        taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
+        return order[taken]
+
     def _allocate(
         self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
     ) -> np.ndarray:
@@ -314,24 +407,39 @@ class CostPolicy(RetentionPolicy):
 
         values, size, tiers = table.values, table.size, table.tiers
         n, count = values.shape
+        columns = np.ascontiguousarray(values.T)  # one contiguous row per tier
+        # per tier j, the best column at or below it (ties: the faster tier, the first) and
+        # its value, from the slowest tier up
+        best_from = [np.full(n, count - 1)] * count
+        top_from = [columns[count - 1]] * count
+        for j in range(count - 2, -1, -1):
+            here = columns[j] >= top_from[j + 1]
+            best_from[j] = np.where(here, j, best_from[j + 1])
+            top_from[j] = np.where(here, columns[j], top_from[j + 1])
         placed = np.full(n, -1)  # column of the tier each chunk gets; -1: dropped
         pending = np.ones(n, dtype=bool)
         for j, tier in enumerate(tiers):
-            rest = values[:, j:]
-            best = j + np.argmax(rest, axis=1)  # ties: the faster tier (the first)
-            wants = pending & (best == j) & (values[:, j] > 0)
+            wants = pending & (best_from[j] == j) & (columns[j] > 0)
             rows = np.flatnonzero(wants)
-            below = np.maximum(values[rows, j + 1 :].max(axis=1), 0.0) if j + 1 < count else 0.0
-            loss = (values[rows, j] - below) / np.maximum(size[rows], 1)  # per byte
+            room, demand = available[tier], float(size[rows].sum())  # exact: whole bytes
+            reserved = float(reserve[0].sum()) if tier == "device" else 0.0
+            if room > 0 and demand + reserved <= room:
+                # every bidder fits, free space's too: the order they are served in does not
+                # matter
+                placed[rows], pending[rows] = j, False
+                available[tier] = room - demand - reserved
+                continue
+            below = np.maximum(top_from[j + 1][rows], 0.0) if j + 1 < count else 0.0
+            loss = (columns[j][rows] - below) / np.maximum(size[rows], 1)  # per byte
             if tier == "device" and j + 1 < count:
                 # device space is auctioned again at every decision and a chunk demoted later
                 # loses nothing more than one demoted now: what keeping it on the device buys
                 # is the next interval's saving over the tier it would go to (a drop cannot
                 # be taken back, so against a drop the whole value is at stake)
-                lower = j + 1 + np.argmax(values[rows, j + 1 :], axis=1)
+                lower = best_from[j + 1][rows]
                 step = table.next_interval[rows, j] - table.next_interval[rows, lower]
                 loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
-            rank = np.lexsort((rows, -loss))  # highest loss first, then key order
+            rank = np.argsort(-loss, kind="stable")  # highest loss first, then key order
             order, bids = rows[rank], loss[rank]
             sizes = size[order]
             partial = np.zeros(len(order), dtype=bool)
@@ -341,10 +449,16 @@ class CostPolicy(RetentionPolicy):
                 bids = np.concatenate([reserve[1], bids])
                 ids = np.concatenate([np.full(len(reserve[0]), -1), order])
                 sizes = np.concatenate([reserve[0], sizes])
-                first = np.lexsort((ids >= 0, -bids))
+                first = np.argsort(-bids, kind="stable")  # reserve first: it comes first
                 order, sizes, partial = ids[first], sizes[first], ids[first] < 0
             taken, available[tier] = _first_fit(sizes, partial, available[tier])
             chosen = order[taken & (order >= 0)]
+            if tier == "device" and j + 1 < count and len(chosen) < len(rows):
+                # the auction sets how much space idle KV keeps; who keeps it is ranked over
+                # the time that space will stay theirs
+                kept = float(size[chosen].sum())
+                chosen = self._keepers(table, rows, lower, below, loss, kept, now)
+                available[tier] += kept - float(size[chosen].sum())
             placed[chosen] = j
             pending[chosen] = False
 
@@ -359,15 +473,24 @@ class CostPolicy(RetentionPolicy):
         leaving = np.bincount(placed[movers], size[movers], count)
         most = np.array([available[t] for t in tiers]) + leaving
         fits = (better[hopeful] & (size[hopeful, None] <= most[None, :])).any(axis=1)
-        for r in hopeful[fits]:
-            for j in sorted(range(count), key=lambda c: (-values[r, c], c)):
-                if values[r, j] <= current[r]:
+        rows = hopeful[fits]
+        room = [available[t] for t in tiers]
+        for r, row, at, now_worth, bytes_ in zip(
+            rows.tolist(),
+            values[rows].tolist(),
+            placed[rows].tolist(),
+            current[rows].tolist(),
+            size[rows].tolist(),
+            strict=True,
+        ):
+            for j in sorted(range(count), key=lambda c: (-row[c], c)):
+                if row[j] <= now_worth:
                     break
-                if size[r] <= available[tiers[j]]:
-                    available[tiers[j]] -= size[r]
-                    if placed[r] >= 0:
-                        available[tiers[placed[r]]] += size[r]
-                    placed[r] = j
+                if bytes_ <= room[j]:
+                    room[j] -= bytes_
+                    if at >= 0:
+                        room[at] += bytes_
+                    placed[r] = at = j
                     break
         return placed
 
@@ -417,6 +540,18 @@ def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
     return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
 
 
+def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:
+    """P(return within `span` s from now) per session, from schedules (q, d) as `_schedules`
+    gives them; the hazard is taken as constant inside each interval."""
+    if not q.size:
+        return np.zeros(len(q))
+    offset = np.cumsum(d, axis=1) - d  # each interval's start, from now
+    inside = np.clip(span - offset, 0.0, d)
+    share = np.divide(inside, d, out=np.zeros_like(d), where=d > 0)
+    stay = np.power(np.clip(1.0 - q, 0.0, 1.0), share)
+    return 1.0 - stay.prod(axis=1)
+
+
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
     """Walk the bidders in order, each taking its size if it fits in what is left; a
     `partial` bidder that does not fit takes all that is left. Returns (who got their size,
@@ -449,8 +584,9 @@ def _actions(
     the slowest tiers first, then keeps (one per session left where it is: `keeps`, each
     session's `Keep`; in a session with a change, one per chunk left in place, taken from and
     added to its `chunk_keeps`, so actions that recur are made once). `forms` picks each
-    move's form (None: the chunk's own). Only the chunks of sessions with a change are
-    visited one by one (a few per decision)."""
+    move's form (None: the chunk's own). Which rows drop, move or stay is found in array
+    passes; only the drops and moves are built one by one (a few per decision), and the
+    chunk keeps of sessions with a change are looked up in their memo by a C-level map."""
     sessions = table.sessions
     if not len(placed):
         return list(keeps)
@@ -458,39 +594,42 @@ def _actions(
     for j, tier in enumerate(table.tiers):
         column_of_rank[TIER_RANK[tier]] = j
     current = column_of_rank[table.rank.astype(int)]
-    changed = np.bincount(table.row_session, weights=placed != current, minlength=len(sessions))
-    starts = np.searchsorted(table.row_session, np.arange(len(sessions) + 1))
-    drops: list[Action] = []
+    moving = placed != current
+    if not moving.any():
+        return list(keeps)
+    row_session, index = table.row_session, table.index
+    drop_rows = np.flatnonzero(placed < 0)
+    drops: list[Action] = [
+        Drop(sessions[s].session_id, i)
+        for s, i in zip(row_session[drop_rows].tolist(), index[drop_rows].tolist(), strict=True)
+    ]
+    move_rows = np.flatnonzero(moving & (placed >= 0))
+    starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
     moves: list[tuple[int, Action]] = []
-    kept: dict[int, list[Action]] = {}  # per changed session, its chunks left in place
-    for s in np.flatnonzero(changed).tolist():
-        sid, first = sessions[s].session_id, int(starts[s])
-        block = slice(first, int(starts[s + 1]))
-        index, target = table.index[block].tolist(), placed[block].tolist()
-        here, rank = current[block].tolist(), table.rank[block].tolist()
-        stored = sessions[s].stored_chunks()
-        memo = chunk_keeps[s]
-        kept[s] = []
-        for r, (i, to, at) in enumerate(zip(index, target, here, strict=True)):
-            if to < 0:
-                drops.append(Drop(sid, i))
-            elif to == at:
-                keep = memo.get(i)
-                if keep is None:
-                    keep = memo[i] = Keep(sid, i)
-                kept[s].append(keep)
-            else:
-                chunk, tier = stored[r], table.tiers[to]
-                form = chunk.form if forms is None else forms.choose(chunk, tier)
-                moves.append((-int(rank[r]), Move(sid, i, tier, form)))
+    for r, s, i, to, rank in zip(
+        move_rows.tolist(),
+        row_session[move_rows].tolist(),
+        index[move_rows].tolist(),
+        placed[move_rows].tolist(),
+        table.rank[move_rows].tolist(),
+        strict=True,
+    ):
+        session = sessions[s]
+        chunk, tier = session.stored_chunks()[r - int(starts[s])], table.tiers[to]
+        form = chunk.form if forms is None else forms.choose(chunk, tier)
+        moves.append((-int(rank), Move(session.session_id, i, tier, form)))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
-    if not kept:
-        return drops + [move for _, move in moves] + list(keeps)
+    changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
+    stay = ~moving & np.repeat(changed, np.diff(starts))
     left: list[Action] = []
     for s, keep in enumerate(keeps):
-        found = kept.get(s)
-        if found is None:
+        if not changed[s]:
             left.append(keep)
-        else:
-            left += found
+            continue
+        block = slice(int(starts[s]), int(starts[s + 1]))
+        staying = index[block][stay[block]].tolist()
+        memo = chunk_keeps[s]
+        for i in set(staying).difference(memo):
+            memo[i] = Keep(sessions[s].session_id, i)
+        left += map(memo.__getitem__, staying)
     return drops + [move for _, move in moves] + left

@@ -79,9 +79,7 @@ class DemandForecast:
         self._expire(now)
         if not self._arrivals or self._start is None:
             return np.zeros(0), np.zeros(0)
-        # early on the window is not full yet: divide by the time actually observed
-        span = min(self.window_s, max(now - self._start, horizon_s))
-        count = len(self._arrivals) / span * horizon_s  # expected arrivals: λ H
+        count = len(self._arrivals) / self._span(horizon_s, now) * horizon_s  # λ H
         mean_size = self._sum / len(self._arrivals)
         sizes = np.sort(np.fromiter(self._sizes, float))
         top = max(float(sizes[-1]), 2 * (count + 4 * math.sqrt(count) + 1) * mean_size)
@@ -92,6 +90,20 @@ class DemandForecast:
         # more than k / E[X] arrivals of the mean size
         needed = np.floor(levels / max(mean_size, 1.0)).astype(int)
         return levels, np.maximum(single, _poisson_above(count, needed))
+
+    def byte_rate(self, horizon_s: float, now: float) -> float:
+        """Bytes per second that arrivals have asked the device for over the window (0 before
+        any): the rate at which idle KV must make way on a device that stays full."""
+        self._expire(now)
+        if not self._arrivals or self._start is None:
+            return 0.0
+        return self._sum / self._span(horizon_s, now)
+
+    def _span(self, horizon_s: float, now: float) -> float:
+        """Seconds the window covers: early on it is not full yet, so the time actually
+        observed (at least one horizon)."""
+        assert self._start is not None
+        return min(self.window_s, max(now - self._start, horizon_s))
 
     def _add(self, at: float, nbytes: float) -> None:
         self._arrivals.append((at, nbytes))

@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import dataclasses
-import heapq
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvtier.policy.actions import Action, Drop, Keep, Move
 from kvtier.policy.tracker import Returned, SessionEvent
@@ -89,31 +90,43 @@ class ReliabilityBin:
 
 
 @dataclass
+class _Batch:
+    """One decision's predictions: made together, due together."""
+
+    made_at: float
+    deadline: float
+    position: dict[str, int]  # session id -> its prediction's place in `ps`
+    ps: np.ndarray
+    open: np.ndarray  # not resolved yet
+
+    def close(self, at: np.ndarray | slice) -> np.ndarray:
+        """The still open predictions among `at`, now closed."""
+        ps = self.ps[at][self.open[at]]
+        self.open[at] = False
+        return ps
+
+
+@dataclass
 class Calibration:
     """Predicted P(return within horizon) against what happened. Predictions wait until the
     session returns or the horizon passes; at most `max_pending` wait (oldest resolved first,
-    as not returned), so memory is bounded."""
+    as not returned), so memory is bounded. A decision's predictions are kept together as
+    arrays, and those no return resolved are scored as misses in one array pass when they
+    fall due: one Python step per return instead of one per prediction."""
 
     bins: int = 10
     max_pending: int = 100_000
-    _pending: dict[str, deque[tuple[float, float, float]]] = field(
-        default_factory=lambda: defaultdict(deque)
-    )
-    _count: list[int] = field(init=False)
-    _sum_p: list[float] = field(init=False)
-    _sum_hit: list[int] = field(init=False)
+    _batches: deque[_Batch] = field(default_factory=deque)  # in the order made
+    _count: np.ndarray = field(init=False)
+    _sum_p: np.ndarray = field(init=False)
+    _sum_hit: np.ndarray = field(init=False)
     _squared_error: float = 0.0
     _pending_total: int = 0
-    # (deadline, order made, sessions): which sessions have a prediction due, soonest first, so
-    # `expire` visits only those (sessions whose prediction was resolved by a return are
-    # skipped); the predictions of one decision share an entry
-    _due: list[tuple[float, int, tuple[str, ...]]] = field(default_factory=list)
-    _made: int = 0
 
     def __post_init__(self) -> None:
-        self._count = [0] * self.bins
-        self._sum_p = [0.0] * self.bins
-        self._sum_hit = [0] * self.bins
+        self._count = np.zeros(self.bins, dtype=np.int64)
+        self._sum_p = np.zeros(self.bins)
+        self._sum_hit = np.zeros(self.bins, dtype=np.int64)
 
     def score(self, policy: object) -> bool:
         """Record `policy`'s reuse predictions here if it makes any (a `calibration`
@@ -132,52 +145,58 @@ class Calibration:
         session_ids: Sequence[str],
         made_at: float,
         horizon_s: float,
-        ps: Sequence[float],
+        ps: Sequence[float] | np.ndarray,
     ) -> None:
-        """`predict` for each session in order, all made at once (one decision's): they
-        share one entry of the due heap."""
-        deadline = made_at + horizon_s
-        pending = self._pending
-        if self._pending_total + len(session_ids) <= self.max_pending:  # none to evict
-            for session_id, p in zip(session_ids, ps, strict=True):
-                pending[session_id].append((made_at, deadline, p))
-            self._pending_total += len(session_ids)
-        else:
-            for session_id, p in zip(session_ids, ps, strict=True):
-                if self._pending_total >= self.max_pending:
-                    oldest = min(pending, key=lambda s: pending[s][0][0])
-                    self._resolve(pending[oldest].popleft()[2], False)
-                    self._forget_if_empty(oldest)
-                pending[session_id].append((made_at, deadline, p))
-                self._pending_total += 1
-        if session_ids:
-            heapq.heappush(self._due, (deadline, self._made, tuple(session_ids)))
-            self._made += 1
+        """`predict` for each session, all made at once (one decision's)."""
+        if not len(session_ids):
+            return
+        ps = np.array(ps, dtype=float)  # a copy: the caller's array may change
+        if len(ps) != len(session_ids):
+            raise ValueError("one prediction per session")
+        excess = self._pending_total + len(ps) - self.max_pending
+        while excess > 0 and self._batches:  # the oldest made are resolved first, as misses
+            oldest = self._batches[0]
+            first = np.flatnonzero(oldest.open)[:excess]
+            self._resolve(oldest.close(first), False)
+            excess -= len(first)
+            if not oldest.open.any():
+                self._batches.popleft()
+        position = dict(zip(session_ids, range(len(ps)), strict=True))
+        self._batches.append(
+            _Batch(made_at, made_at + horizon_s, position, ps, np.ones(len(ps), dtype=bool))
+        )
+        self._pending_total += len(ps)
+        if excess > 0:  # more than max_pending at once: the first of these go too
+            self._resolve(self._batches[-1].close(slice(0, excess)), False)
 
     def observe(self, events: Iterable[SessionEvent]) -> None:
+        outcomes: tuple[list[float], list[float]] = ([], [])  # (missed, returned in time)
         for event in events:
-            if not isinstance(event, Returned) or event.session_id not in self._pending:
+            if not isinstance(event, Returned):
                 continue
-            queue = self._pending[event.session_id]
-            while queue and queue[0][0] < event.at:
-                _, deadline, p = queue.popleft()
-                self._resolve(p, event.at <= deadline)
-            self._forget_if_empty(event.session_id)
+            for batch in self._batches:  # the few not yet due, oldest first
+                if batch.made_at >= event.at:
+                    break
+                at = batch.position.get(event.session_id)
+                if at is not None and batch.open[at]:
+                    batch.open[at] = False
+                    outcomes[event.at <= batch.deadline].append(float(batch.ps[at]))
+        for returned, ps in enumerate(outcomes):
+            self._resolve(np.array(ps), bool(returned))
 
     def expire(self, now: float) -> None:
         """Predictions whose horizon ended before `now` without a return were misses."""
-        while self._due and self._due[0][0] < now:
-            for session_id in heapq.heappop(self._due)[2]:
-                queue = self._pending.get(session_id)
-                if queue is None:
-                    continue
-                while queue and queue[0][1] < now:
-                    self._resolve(queue.popleft()[2], False)
-                self._forget_if_empty(session_id)
+        kept: deque[_Batch] = deque()
+        for batch in self._batches:
+            if batch.deadline < now:
+                self._resolve(batch.close(slice(None)), False)
+            else:
+                kept.append(batch)
+        self._batches = kept
 
     @property
     def resolved(self) -> int:
-        return sum(self._count)
+        return int(self._count.sum())
 
     def brier(self) -> float:
         """Mean squared error of the predictions; 0 is perfect, 0.25 is always saying 0.5."""
@@ -186,10 +205,11 @@ class Calibration:
     def reliability(self) -> list[ReliabilityBin]:
         """Per bin of predicted p: how often sessions really returned (ideal: the diagonal)."""
         out = []
-        for i, n in enumerate(self._count):
+        for i, n in enumerate(self._count.tolist()):
             if n:
                 low, high = i / self.bins, (i + 1) / self.bins
-                out.append(ReliabilityBin(low, high, n, self._sum_p[i] / n, self._sum_hit[i] / n))
+                mean, rate = float(self._sum_p[i]) / n, int(self._sum_hit[i]) / n
+                out.append(ReliabilityBin(low, high, n, mean, rate))
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -209,17 +229,16 @@ class Calibration:
         )
         return f"Brier {self.brier():.4f} over {self.resolved:,} predictions; {bins}"
 
-    def _resolve(self, p: float, returned: bool) -> None:
-        self._pending_total -= 1
-        i = min(int(p * self.bins), self.bins - 1)
-        self._count[i] += 1
-        self._sum_p[i] += p
-        self._sum_hit[i] += int(returned)
-        self._squared_error += (p - float(returned)) ** 2
-
-    def _forget_if_empty(self, session_id: str) -> None:
-        if not self._pending[session_id]:
-            del self._pending[session_id]
+    def _resolve(self, ps: np.ndarray, returned: bool) -> None:
+        if not len(ps):
+            return
+        self._pending_total -= len(ps)
+        i = np.minimum((ps * self.bins).astype(int), self.bins - 1)
+        self._count += np.bincount(i, minlength=self.bins)
+        self._sum_p += np.bincount(i, weights=ps, minlength=self.bins)
+        if returned:
+            self._sum_hit += np.bincount(i, minlength=self.bins)
+        self._squared_error += float(np.sum((ps - float(returned)) ** 2))
 
 
 @dataclass

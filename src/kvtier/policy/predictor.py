@@ -48,6 +48,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -55,6 +56,7 @@ from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
 Key = tuple[str, str]  # (tenant, app_class)
+_REUSE_KEY = attrgetter("reuse_key")
 # pseudo-gaps the key's distribution is worth against a session's own gaps; inf: the key alone
 SESSION_WEIGHTS = (math.inf, 8.0, 2.0, 0.5)
 RHYTHM_SD = math.log(2.0) / 2  # a session's next gap: within a factor 2 of its last, 2 sd
@@ -225,48 +227,60 @@ class ReusePredictor:
     ) -> np.ndarray:
         """`p_reuse_many` for many sessions at once: row s of `idle_s` and `horizon_s` is
         session s's."""
-        cdf = self.cdf_rows(sessions)
+        return self.p_reuse_cdf(self.cdf_rows(sessions), idle_s, horizon_s)
+
+    def p_reuse_cdf(self, cdf: np.ndarray, idle_s: np.ndarray, horizon_s: np.ndarray) -> np.ndarray:
+        """`p_reuse` elementwise, row r of `idle_s` and `horizon_s` under distribution
+        `cdf[r]` (rows of `cdf_table`)."""
         return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
 
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
+        table, rows = self.cdf_table(sessions)
+        return table[rows]
+
+    def cdf_table(self, sessions: Sequence[SessionView]) -> tuple[np.ndarray, np.ndarray]:
+        """(distributions, which one each session has): the distinct cumulative gap masses
+        at the bin edges, one row per key the sessions have and one per session blended with
+        its own gaps (`personal`), and each session's row. Sessions sharing a row share every
+        prediction made from it, so a caller can compute those once."""
         # the keys' rows gathered at once, then the sessions with their own gaps blended in
-        # at once: per session only lookups (a decision asks for thousands of rows)
-        which: dict[Key, int] = {}  # key -> its row in `cdfs`
-        cdfs: list[np.ndarray] = []
+        # at once: per session only C-level lookups (a decision asks for thousands of rows),
+        # and a Python step only for the sessions of keys that use their own gaps
+        if not sessions:
+            return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
+        keys = list(map(_REUSE_KEY, sessions))
+        which = {key: k for k, key in enumerate(dict.fromkeys(keys))}  # key -> row in `cdfs`
+        cdfs = [self._distribution(key)[0] for key in which]
         weights: list[float] = []
-        rows: list[int] = []
+        for key in which:
+            histogram = self._keys.get(key)
+            weights.append(math.inf if histogram is None else histogram.session_weight)
+        rows = list(map(which.__getitem__, keys))
         own_at: list[int] = []
         own_ids: list[str] = []
         own_counts: list[int] = []
         gaps = self._sessions
-        for s, session in enumerate(sessions):
-            key = session.reuse_key
-            k = which.get(key)
-            if k is None:
-                k = which[key] = len(cdfs)
-                histogram = self._keys.get(key)
-                weights.append(math.inf if histogram is None else histogram.session_weight)
-                cdfs.append(self._distribution(key)[0])
-            rows.append(k)
-            if weights[k] != math.inf:
-                own = gaps.get(session.session_id)
-                if own:
-                    own_at.append(s)
-                    own_ids.append(session.session_id)
-                    own_counts.append(len(own))
-        if not cdfs:
-            return np.empty((0, len(self.edges)))
+        if any(weight != math.inf for weight in weights):
+            for s, (session, k) in enumerate(zip(sessions, rows, strict=True)):
+                if weights[k] != math.inf:
+                    own = gaps.get(session.session_id)
+                    if own:
+                        own_at.append(s)
+                        own_ids.append(session.session_id)
+                        own_counts.append(len(own))
         table = np.stack(cdfs)
-        out = table[rows]
+        at = np.array(rows, dtype=np.int64)
         if own_at:
-            keys = np.array(rows)[own_at]
-            weight = np.array(weights)[keys][:, None]
+            key_rows = at[own_at]
+            weight = np.array(weights)[key_rows][:, None]
             mine = np.stack([self._mine(session_id) for session_id in own_ids])
             count = np.array(own_counts, dtype=float)[:, None]
-            out[own_at] = (mine + weight * table[keys]) / (count + weight)
-        return out
+            at[own_at] = len(table) + np.arange(len(own_at))
+            blended = (mine + weight * table[key_rows]) / (count + weight)
+            table = np.concatenate([table, blended])
+        return table, at
 
     def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
         start = self._cdf_many(cdf, idle)
@@ -350,6 +364,15 @@ class ReusePredictor:
             return np.where(x >= edges[-1], cdf[:, -1:], at + (above - at) * share)
         out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
         return np.where(x >= edges[-1], cdf[-1], out)
+
+    def age_floor(self, idle_s: np.ndarray) -> np.ndarray:
+        """Each idle age rounded down to the bin edge at or below it (ages past the cut-off
+        to the cut-off). Within a bin the histogram knows no more than its log-uniform spread,
+        so a schedule conditioned on the bin's lower edge moves in steps the model resolves:
+        a policy can reuse what it priced until a session's age crosses an edge."""
+        edges = self.edges
+        at = np.searchsorted(edges, np.asarray(idle_s, float), side="right") - 1
+        return edges[np.clip(at, 0, len(edges) - 1)]
 
     def p_no_return(self, session: SessionView | Key) -> float:
         key = session.reuse_key if isinstance(session, SessionView) else session

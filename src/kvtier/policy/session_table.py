@@ -4,12 +4,12 @@ One slot per session of the view holds what decides whether it is a candidate (p
 TTL, idle since), its priority weight, a whole-session `Keep` made once, and what it was last
 priced at (its return schedule q and d, the tier prices, the fastest tier holding one of its
 chunks). One row per stored chunk, in a pool shared by all sessions, holds the chunk's columns
-(index, tokens, first token, bytes, tier rank) and, once priced, its values. A decision takes in
-the sessions whose view changed (`view_diff`), loads the columns of those that are
-candidates, and does
-the rest as array passes over the slots and the pool: which sessions are candidates, their
-order, their chunks' rows, which of them must be priced again. Before this, each decision
-handed out every session's arrays in Python and concatenated them.
+(index, tokens, first token, bytes, tier rank) and, once priced, its values and what a return
+saves per tier. A decision takes in the sessions whose view changed (`view_diff`), loads the
+columns of those that are candidates, and does the rest as array passes over the slots and
+the pool: which sessions are candidates, their order, their chunks' rows, which of them must
+be priced again. Before this, each decision handed out every session's arrays in Python and
+concatenated them.
 
 A session's rows are reused while its view is the same object; a view with as many stored
 chunks or fewer overwrites them in place, a larger one takes fresh rows at the end of the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -29,6 +30,9 @@ from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
 
 COLUMNS = 5  # index, tokens, token_start, bytes, tier rank
+# with a tolerance, return probabilities this close (absolute) also count as unchanged: a
+# relative tolerance alone would re-price a session whose 1e-6 chance became 2e-6
+Q_FLOOR = 1e-4
 
 
 _FIELDS = attrgetter("index", "token_start", "token_end", "size_bytes")
@@ -38,7 +42,8 @@ _TIER = attrgetter("tier")
 def chunk_columns(session: SessionView) -> np.ndarray:
     """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
     stored = session.stored_chunks()
-    raw = np.array(list(map(_FIELDS, stored)), dtype=float).reshape(-1, 4)
+    raw = np.fromiter(chain.from_iterable(map(_FIELDS, stored)), float, 4 * len(stored))
+    raw = raw.reshape(-1, 4)
     out = np.empty((len(stored), COLUMNS))
     out[:, 0], out[:, 2], out[:, 3] = raw[:, 0], raw[:, 1], raw[:, 3]
     out[:, 1] = raw[:, 2] - raw[:, 1]  # exact: token counts are far below 2**53
@@ -80,7 +85,10 @@ class SessionTable:
     """See the module docstring. `sync` each decision; `stale` / `store` / `values` for the
     pricing of its candidates."""
 
-    def __init__(self) -> None:
+    def __init__(self, tolerance: float = 0.0) -> None:
+        if not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), not {tolerance}")
+        self.tolerance = tolerance
         self._slot: dict[str, int] = {}
         self._ids: list[str] = []  # per slot
         self._views: list[SessionView | None] = []
@@ -95,7 +103,7 @@ class SessionTable:
         self._grow_pool(256)
         self.tiers: tuple[str, ...] = ()
         self._values = np.zeros((len(self._cols), 0))
-        self._soon = np.zeros((len(self._cols), 0))
+        self._gain = np.zeros((len(self._cols), 0))
         self._q = np.zeros((len(self._pinned), 0))
         self._d = np.zeros((len(self._pinned), 0))
         self._prices = np.zeros((len(self._pinned), 0))
@@ -172,7 +180,7 @@ class SessionTable:
         self._cols = np.zeros((size, COLUMNS))
         if "_values" in self.__dict__:
             self._values = np.zeros((size, self._values.shape[1]))
-            self._soon = np.zeros((size, self._soon.shape[1]))
+            self._gain = np.zeros((size, self._gain.shape[1]))
 
     def _load(self, slot: int) -> None:
         """Put the columns of the slot's view in the pool."""
@@ -197,12 +205,12 @@ class SessionTable:
         size = len(self._cols)
         while 2 * (len(live) + n) > size:
             size *= 2
-        cols, values, soon = self._cols[live], self._values[live], self._soon[live]
+        cols, values, gain = self._cols[live], self._values[live], self._gain[live]
         self._grow_pool(size)
-        self._cols[: len(live)], self._values[: len(live)], self._soon[: len(live)] = (
+        self._cols[: len(live)], self._values[: len(live)], self._gain[: len(live)] = (
             cols,
             values,
-            soon,
+            gain,
         )
         self._first[held] = np.cumsum(self._cap[held]) - self._cap[held]
         self._end = len(live)
@@ -215,7 +223,7 @@ class SessionTable:
         if view.tier_names != self.tiers:  # values are per tier: nothing priced still holds
             self.tiers = view.tier_names
             self._values = np.zeros((len(self._cols), len(self.tiers)))
-            self._soon = np.zeros((len(self._cols), len(self.tiers)))
+            self._gain = np.zeros((len(self._cols), len(self.tiers)))
             self._priced[:] = False
         for session_id in changes.left:
             if session_id in self._slot:
@@ -262,12 +270,13 @@ class SessionTable:
         self, candidates: Candidates, q: np.ndarray, d: np.ndarray, prices: np.ndarray
     ) -> np.ndarray:
         """Per candidate, True when its stored values no longer hold: never priced since its
-        view changed, or a return probability or an interval length differs from what it was
-        priced at (the last interval ends at the cut-off age, so it shortens at every
-        decision), or so does the price of a tier its chunks may still use (at or below the
-        fastest one they are in). Exact comparisons: a reused value is the one a fresh
-        pricing would give, so reuse never changes a decision (a 20% tolerance was tried: on
-        a Mooncake slice it saved no measurable time and moved the TTFT p99 by 11%)."""
+        view changed, an interval length differs from what it was priced at, or a return
+        probability, or the price of a tier its chunks may still use (at or below the
+        fastest one they are in), has moved from it by more than the table's `tolerance`
+        (relative, or `Q_FLOOR` absolute for a probability). With tolerance 0 a reused value
+        is the one a fresh pricing would give. Interval lengths are compared exactly: the
+        policy conditions a schedule on the idle age's bin edge (`ReusePredictor.age_floor`),
+        so they change only when the session crosses one."""
         slots = candidates.slots
         if self._q.shape[1] != q.shape[1] or self._prices.shape[1] != len(prices):
             self._q = np.zeros((self._slots, q.shape[1]))
@@ -275,8 +284,12 @@ class SessionTable:
             self._prices = np.zeros((self._slots, len(prices)))
             self._priced[:] = False
         ranks = np.array([TIER_RANK[t] for t in self.tiers])
-        moved = (q != self._q[slots]).any(axis=1) | (d != self._d[slots]).any(axis=1)
-        drift = (prices[None, :] != self._prices[slots]) & (
+        tolerance = self.tolerance
+        was_q, was_prices = self._q[slots], self._prices[slots]
+        floor = Q_FLOOR if tolerance else 0.0
+        moved = (np.abs(q - was_q) > tolerance * was_q + floor).any(axis=1)
+        moved |= (d != self._d[slots]).any(axis=1)
+        drift = (np.abs(prices[None, :] - was_prices) > tolerance * np.abs(was_prices)) & (
             ranks[None, :] >= self._top[slots][:, None]
         )
         return ~self._priced[slots] | moved | drift.any(axis=1)
@@ -289,20 +302,20 @@ class SessionTable:
         d: np.ndarray,
         prices: np.ndarray,
         values: np.ndarray,
-        soon: np.ndarray,
+        gain: np.ndarray,
     ) -> None:
         """Remember the values the `stale` candidates were just priced at (rows of their
         chunks in order) and what they were priced at."""
         slots = candidates.slots[stale]
         rows = candidates.rows[stale[candidates.row_session]]
-        self._values[rows], self._soon[rows] = values, soon
+        self._values[rows], self._gain[rows] = values, gain
         self._q[slots], self._d[slots] = q[stale], d[stale]
         self._prices[slots] = prices
         self._priced[slots] = True
 
     def values(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
-        """(values, next interval's saving) of the candidates' chunks, [chunks, tiers]."""
-        return self._values[candidates.rows], self._soon[candidates.rows]
+        """(values, what a return saves) of the candidates' chunks, [chunks, tiers]."""
+        return self._values[candidates.rows], self._gain[candidates.rows]
 
     def priced(self, session_id: str) -> np.ndarray | None:
         """The values a session's chunks were last priced at, [chunks, tiers] in chunk order;

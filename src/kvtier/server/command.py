@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool budget")
+    parser.add_argument(
+        "--prefault-kv-pool",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fault the KV pool's pages in on a background thread after start (default on: "
+        "the first restores run at copy speed; the budget is resident at once)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -210,6 +217,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         "dtype": args.dtype,
         "device": args.device,
         "kv_cache_bytes": args.kv_cache_bytes,
+        "prefault_kv_pool": args.prefault_kv_pool,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

@@ -27,7 +27,7 @@ from kvtier.tiers.histogram import LatencyHistogram
 from kvtier.tiers.payload import Payload
 
 if TYPE_CHECKING:
-    from kvtier.tiers.record import RecordHead
+    from kvtier.tiers.record import LayerCheck, RecordHead
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,17 @@ class RejectedRecord(TierError):
 
 
 class LayerRead(NamedTuple):
-    """One chunk's share of a layer read: its layered record's `head` (from `layer_heads`)
-    and `slabs`, where the layer's bytes go, one writable buffer per block in body order
-    (the device blocks' slices of that layer)."""
+    """One chunk's share of a layer read: its layered record's `head` (from `layer_heads`),
+    `slabs`, where the layer's bytes go, one writable buffer per block in body order (the
+    device blocks' slices of that layer), and `check`, what verifies them, the same one for
+    every layer of one restore (`TierBackend.layer_check`: a signed record's signature spans
+    all its layers)."""
 
     key: bytes
     namespace: str
     head: RecordHead
     slabs: list[memoryview]
+    check: LayerCheck
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +205,16 @@ class TierBackend(ABC):
         Tiers without layered records (host: a memory copy has nothing to overlap) have none."""
         return [None] * len(keys)
 
+    def layer_check(self, head: RecordHead) -> LayerCheck:
+        """What verifies one restore of `head` (from `layer_heads`) a layer at a time: give it
+        to every `LayerRead` of that restore, layers in order."""
+        raise TierError(f"{self.name} serves no layer reads")
+
     def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
-        """Read layer `layer` of each item's record into its slabs and verify it against the
-        layer's own checksum; False where it is missing, short, damaged or failed (the slabs
-        may then hold anything and must not be used). Never raises."""
+        """Read layer `layer` of each item's record into its slabs and verify it with the
+        item's `check` (its own checksum; a signed record's signature with its last layer);
+        False where it is missing, short, damaged, forged or failed (the slabs may then hold
+        anything and must not be used). Never raises."""
         return [False] * len(items)
 
     def close(self) -> None:  # noqa: B027 (optional hook: volatile tiers hold nothing to release)

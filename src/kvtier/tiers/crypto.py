@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -118,13 +118,33 @@ class Signer:
 
     def verify(self, namespace: str, pieces: Sequence[BytesLike], mac: bytes) -> None:
         """RejectedRecord unless `mac` is this namespace's signature of exactly `pieces`."""
+        check = self.verifier(namespace, mac)
+        for piece in pieces:
+            check.update(piece)
+        check.finish()
+
+    def verifier(self, namespace: str, mac: bytes) -> SignatureCheck:
+        """`verify` a piece at a time, for pieces that arrive one after another (the layers
+        of a layered record). RejectedRecord at once when `mac` has the wrong length."""
         if len(mac) != MAC_BYTES:
             raise RejectedRecord("record signature has the wrong length")
         mode = modes.GCM(mac[:NONCE_BYTES], mac[NONCE_BYTES:])
-        decryptor = Cipher(self._aes(namespace), mode).decryptor()
-        for piece in pieces:
-            decryptor.authenticate_additional_data(piece)
+        return SignatureCheck(Cipher(self._aes(namespace), mode).decryptor())
+
+
+class SignatureCheck:
+    """A signature being checked: the signed pieces fed in order, then `finish`. Until
+    `finish` returns, nothing fed may be trusted."""
+
+    def __init__(self, decryptor: Any) -> None:
+        self._decryptor = decryptor
+
+    def update(self, piece: BytesLike) -> None:
+        self._decryptor.authenticate_additional_data(piece)
+
+    def finish(self) -> None:
+        """RejectedRecord unless the pieces fed are exactly what was signed."""
         try:
-            decryptor.finalize()
+            self._decryptor.finalize()
         except InvalidTag as exc:
             raise RejectedRecord("record signature does not verify (forged or wrong key)") from exc

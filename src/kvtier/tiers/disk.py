@@ -33,12 +33,12 @@ from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer, empty_bytes
 from kvtier.tiers.record import (
     FLAG_SEALED,
+    LayerCheck,
     RecordCodec,
     RecordHead,
     align_up,
     deliver,
     parse_head,
-    verify_layer,
 )
 from kvtier.tiers.segment import (
     DIRECT_ALIGN,
@@ -84,9 +84,10 @@ class DiskTier(TierBackend):
         sealer, signer: encrypt and authenticate records (AES-GCM) or only authenticate them
             (GMAC); at most one. Tombstones are neither: a forged one can only delete.
         layered: write full-precision chunks as layered records (record.py), read back a
-            layer at a time by the pipelined restore; not with sealing or signing, nor under
-            O_DIRECT (every iovec would have to be page-aligned in memory and length, which
-            not every model's layer slices are: those tiers keep whole-record reads).
+            layer at a time by the pipelined restore (signed ones too); not with sealing,
+            nor under O_DIRECT (every iovec would have to be page-aligned in memory and
+            length, which not every model's layer slices are: those tiers keep whole-record
+            reads).
         """
         super().__init__(name)
         if capacity_bytes < 4 * HEADER_BYTES:
@@ -223,6 +224,9 @@ class DiskTier(TierBackend):
         self.stats.add(reads=found, hits=found)
         return heads
 
+    def layer_check(self, head: RecordHead) -> LayerCheck:
+        return self._codec.layer_check(head)
+
     def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
         return [self._read_layer(item, layer) for item in items]
 
@@ -241,7 +245,7 @@ class DiskTier(TierBackend):
                     raise TierError("layer slabs do not match the record's layer")
                 try:
                     loc.segment.read_into(loc.offset + item.head.head_len + offset, item.slabs)
-                    verify_layer(item.head, layer, item.slabs)
+                    item.check.verify(layer, item.slabs)
                 except TierError:
                     self._forget(item.namespace, item.key)
                     raise

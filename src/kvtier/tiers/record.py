@@ -19,15 +19,21 @@
     ...     0-63  zero padding: the head is a multiple of 64 bytes (of 4096 with flag 4)
     H       B     body (H = head length)
 
-A layered record (version 2, written by a tier built with `layered=True`, for unprotected
-full-precision chunks) serves the layer-wise pipelined restore (docs/tiers.md): its metadata
-field starts with a layer table, `L` (u16) and one xxh3-64 per layer (u64 each), before the
-payload's own metadata; and its body is stored layer-major: the payload is [blocks, L, ...]
-block-major, the body is the same bytes with the first two axes swapped, so layer i of the
-chunk is one contiguous range `[i * B / L, (i + 1) * B / L)` of the body that a reader can
-fetch, and verify against its own checksum, alone. The body checksum still covers the whole
-body, so a whole read checks a layered record as it checks any other (and swaps the axes
-back). Version 1 records are read as before.
+A layered record (version 2, written by a tier built with `layered=True`, for unsealed
+full-precision chunks; version 3 when the tier signs them) serves the layer-wise pipelined
+restore (docs/tiers.md): its metadata field starts with a layer table, `L` (u16) and one
+xxh3-64 per layer (u64 each), before the payload's own metadata; and its body is stored
+layer-major: the payload is [blocks, L, ...] block-major, the body is the same bytes with
+the first two axes swapped, so layer i of the chunk is one contiguous range `[i * B / L, (i
++ 1) * B / L)` of the body that a reader can fetch, and verify against its own checksum,
+alone. The body checksum still covers the whole body, so a whole read checks a layered
+record as it checks any other (and swaps the axes back). Version 1 records are read as
+before. A signed layered record (version 3: the same layout, FLAG_SIGNED, its signature over
+the layer-major body) is read a layer at a time in order, each layer fed into the
+signature's check as it passes its checksum, the signature checked with the last layer
+(`LayerCheck`): a reader takes no layer of it as proof of anything until then. It has a
+version of its own because readers before it call a version-2 record with a protection flag
+corrupt, and delete it.
 
 All integers little-endian. Heads are padded so that a body starts 64-byte aligned wherever its
 record does (segments start records at multiples of 64), as the buffers it is read into are:
@@ -58,13 +64,14 @@ import torch
 import xxhash
 
 from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierError
-from kvtier.tiers.crypto import MAC_BYTES, OVERHEAD_BYTES, Sealer, Signer
+from kvtier.tiers.crypto import MAC_BYTES, OVERHEAD_BYTES, Sealer, SignatureCheck, Signer
 from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
 from kvtier.tiers.vocab import FULL
 
 MAGIC = b"KVTR"
 VERSION = 1
 VERSION_LAYERED = 2
+VERSION_SIGNED_LAYERED = 3
 FLAG_SEALED = 1
 FLAG_TOMBSTONE = 2
 FLAG_PAGE_HEAD = 4
@@ -149,9 +156,12 @@ def encode_head(
     ns = namespace.encode()
     if layer_sums:
         meta = _layer_table(layer_sums) + meta
+    version = VERSION
+    if layer_sums:
+        version = VERSION_SIGNED_LAYERED if flags & FLAG_SIGNED else VERSION_LAYERED
     fixed = _FIXED.pack(
         MAGIC,
-        VERSION_LAYERED if layer_sums else VERSION,
+        version,
         flags,
         len(key),
         len(ns),
@@ -192,7 +202,7 @@ def head_len(fixed: BytesLike) -> int:
     magic, version, flags, key_len, ns_len, meta_len, *_ = _FIXED.unpack_from(fixed)
     if magic != MAGIC:
         raise CorruptRecord("not a kvtier record (bad magic)")
-    if version not in (VERSION, VERSION_LAYERED) or flags & ~_KNOWN_FLAGS:
+    if version not in (VERSION, VERSION_LAYERED, VERSION_SIGNED_LAYERED) or flags & ~_KNOWN_FLAGS:
         # Likely a newer writer's record: not ours to judge, let alone delete.
         raise RejectedRecord(f"record of an unknown format (version {version}, flags {flags})")
     mac_len = MAC_BYTES if flags & FLAG_SIGNED else 0
@@ -222,10 +232,13 @@ def parse_head(buf: BytesLike) -> RecordHead:
         raise CorruptRecord("record namespace unreadable") from exc
     meta = variable[key_len + ns_len : meta_end]
     layer_sums: tuple[int, ...] = ()
-    if version == VERSION_LAYERED:
+    if version != VERSION:
         layer_sums, meta = _split_layer_table(meta)
-        if body_len % len(layer_sums) or flags & _PROTECTION:
+        if body_len % len(layer_sums):
             raise CorruptRecord("layered record's body does not split into its layers")
+        protection = FLAG_SIGNED if version == VERSION_SIGNED_LAYERED else 0
+        if flags & _PROTECTION != protection:
+            raise CorruptRecord(f"version-{version} record with protection flags {flags}")
     return RecordHead(
         flags=flags,
         key=variable[:key_len],
@@ -245,10 +258,10 @@ class RecordCodec:
     """Payload <-> (head, body), sealing bodies when the tier encrypts at rest, or signing
     records when it wants integrity without secrecy (one or neither, never both).
 
-    layered: write full-precision chunks as layered records (version 2, see the module doc),
-    so they can be restored a layer at a time. Only without sealing or signing: a record
-    whose bytes a key protects is verified, and restored, whole (one tag over all of it; a
-    tag per layer is the cost docs/tiers.md weighs)."""
+    layered: write full-precision chunks as layered records (version 2, or 3 when signed: see
+    the module doc), so they can be restored a layer at a time. Not when sealing: a sealed
+    body is decrypted and authenticated whole (docs/tiers.md, "Layer-wise pipelined
+    restore")."""
 
     def __init__(
         self, sealer: Sealer | None = None, signer: Signer | None = None, *, layered: bool = False
@@ -258,13 +271,17 @@ class RecordCodec:
         self.sealer = sealer
         self.signer = signer
         self._protection = FLAG_SEALED if sealer else FLAG_SIGNED if signer else 0
-        self.layered = layered and not self._protection
+        self.layered = layered and sealer is None
 
     def accepts(self, head: RecordHead) -> bool:
         """Whether this reader may serve `head`'s record a layer at a time: layered, and
-        protected the way this tier protects (a layered record is never sealed or signed, so
-        a tier that seals or signs serves none)."""
+        protected the way this tier protects (a signing tier serves signed layered records
+        only, a plain one plain ones; a layered record is never sealed)."""
         return head.layered and head.flags & _PROTECTION == self._protection
+
+    def layer_check(self, head: RecordHead) -> LayerCheck:
+        """What verifies one read of `head`'s record a layer at a time (`accepts` first)."""
+        return LayerCheck(head, self.signer)
 
     def encode(
         self, key: bytes, namespace: str, payload: Payload, *, page_head: bool = False
@@ -284,8 +301,11 @@ class RecordCodec:
         layers = _layer_count(payload) if self.layered else 0
         if layers:
             body, sums = layer_major(payload.data.cpu(), payload.shape[0], layers)
+            if self.signer is not None:
+                flags |= FLAG_SIGNED
+                mac = self.signer.sign(namespace, signed_pieces(key, namespace, meta, body))
             return encode_head(
-                key, namespace, meta, body, flags, time.time(), layer_sums=sums
+                key, namespace, meta, body, flags, time.time(), mac, layer_sums=sums
             ), body
         if self.sealer is not None:
             body = self.sealer.seal(namespace, key + meta, body)
@@ -397,9 +417,53 @@ def signed_pieces(
     """What a record's signature covers: the lengths, then key, namespace and metadata, then
     the body. The lengths make the concatenation unambiguous, and naming key and namespace
     binds the record to them: a signed record copied under another name does not verify."""
+    return _signed_identity(key, namespace, meta, len(body)), body
+
+
+def _signed_identity(key: bytes, namespace: str, meta: bytes, body_len: int) -> bytes:
     ns = namespace.encode()
-    identity = _IDENTITY.pack(len(key), len(ns), len(meta), len(body)) + key + ns + meta
-    return identity, body
+    return _IDENTITY.pack(len(key), len(ns), len(meta), body_len) + key + ns + meta
+
+
+class LayerCheck:
+    """Verifies one read of a layered record a layer at a time: each layer against its own
+    checksum (damage) and, for a signed record, the whole body against the signature (forgery:
+    the checksums are unkeyed, so whoever can write the record can make them match).
+
+    The signature covers the body in order, so a signed record's layers must come in order,
+    0 to L-1, each fed into the check once it passes its checksum, and the signature is
+    checked with the last one: until then no layer of it is verified, and a caller that has
+    used earlier layers must throw away what it computed from them when the last one fails
+    (the pipelined restore does: the request's step is discarded and recomputed). Any failure
+    raises (CorruptRecord or RejectedRecord) and fails every later layer of this read too."""
+
+    def __init__(self, head: RecordHead, signer: Signer | None) -> None:
+        self.head = head
+        self._signature: SignatureCheck | None = None
+        if head.flags & FLAG_SIGNED:
+            if signer is None:
+                raise RejectedRecord("record is signed; this tier has no key to check it")
+            self._signature = signer.verifier(head.namespace, head.mac)
+            self._signature.update(
+                _signed_identity(head.key, head.namespace, head.meta, head.body_len)
+            )
+        self._next = 0  # the layer a signed record's check takes next; -1 once failed
+
+    def verify(self, layer: int, pieces: list[memoryview]) -> None:
+        """Check layer `layer`, read as `pieces` in body order; raises if it may not be used."""
+        if self._signature is None:
+            verify_layer(self.head, layer, pieces)
+            return
+        if layer != self._next:
+            self._next = -1
+            raise RejectedRecord(f"signed record's layer {layer} read out of order")
+        self._next = -1  # until this layer has passed
+        verify_layer(self.head, layer, pieces)
+        for piece in pieces:
+            self._signature.update(piece)
+        if layer == len(self.head.layer_sums) - 1:
+            self._signature.finish()
+        self._next = layer + 1
 
 
 def _describe(protection: int) -> str:

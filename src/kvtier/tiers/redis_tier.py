@@ -47,7 +47,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
-from kvtier.tiers.record import RecordCodec, RecordHead, deliver, parse_head, verify_layer
+from kvtier.tiers.record import LayerCheck, RecordCodec, RecordHead, deliver, parse_head
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ class RedisTier(TierBackend):
             warning (see "Threat model" in docs/tiers.md).
         layered: write full-precision chunks as layered records (record.py: a layer is one
             contiguous range of the value), read back a layer at a time with pipelined
-            GETRANGEs by the pipelined restore; not with sealing or signing.
+            GETRANGEs by the pipelined restore (signed ones too: record.LayerCheck); not
+            with sealing.
         """
         super().__init__(name)
         self.url = url
@@ -255,6 +256,9 @@ class RedisTier(TierBackend):
             return None
         return head
 
+    def layer_check(self, head: RecordHead) -> LayerCheck:
+        return self._codec.layer_check(head)
+
     def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
         """One pipeline of GETRANGEs, one per chunk, each checked against its layer's sum
         before its bytes are copied into the slabs."""
@@ -280,7 +284,7 @@ class RedisTier(TierBackend):
                 if not isinstance(reply, bytes) or len(reply) != length:
                     raise CorruptRecord("layer range missing or cut short")
                 view = memoryview(reply)
-                verify_layer(item.head, layer, [view])
+                item.check.verify(layer, [view])
                 at = 0
                 for slab in item.slabs:
                     slab[:] = view[at : at + len(slab)]
