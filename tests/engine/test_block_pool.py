@@ -136,3 +136,31 @@ def test_block_view_is_the_blocks_themselves_only_when_adjacent():
     assert pool.block_view([3, 5]) is None
     assert pool.block_view([4, 3]) is None
     assert pool.block_view([]) is None
+
+
+def test_a_steps_writes_land_in_their_slots_whole_blocks_as_slabs():
+    """One step: two decodes, a chunk starting mid-block over adjacent blocks and one over
+    scattered blocks. Every token's K/V of every layer lands at (block, offset), nothing
+    else changes, and only the chunks' whole blocks take the slab path."""
+    pool = KVPool(3, 2, 4, 4, torch.float32, "cpu", budget_bytes=16 * 3 * 2 * 2 * 4 * 4 * 4)
+    pool.kv.normal_()
+    before = pool.kv.clone()
+    tables = {"d1": [9], "d2": [15, 0], "a": [1, 2, 3, 4], "b": [12, 7, 8, 11]}
+    spans = [("d1", 2, 1), ("d2", 5, 1), ("a", 3, 12), ("b", 0, 13)]  # (table, start, n)
+    slots = [(tables[t][p // 4], p % 4) for t, s, n in spans for p in range(s, s + n)]
+    block_ids = torch.tensor([b for b, _ in slots])
+    offsets = torch.tensor([o for _, o in slots])
+    plan = pool.plan_writes(block_ids, offsets)
+    # rows: d1 0, d2 1, a 2-13 (positions 3-14: blocks 2, 3 whole), b 14-26 (blocks 12, 7, 8)
+    assert plan.runs == [(3, 2, 2), (14, 12, 1), (18, 7, 2)]
+    written = []
+    for layer in range(3):
+        k, v = torch.randn(len(slots), 2, 4), torch.randn(len(slots), 2, 4)
+        pool.write_slots(layer, plan, k, v)
+        written.append((k, v))
+    for layer, (k, v) in enumerate(written):
+        for row, (block, offset) in enumerate(slots):
+            assert torch.equal(pool.kv[block, layer, 0, :, offset], k[row])
+            assert torch.equal(pool.kv[block, layer, 1, :, offset], v[row])
+            before[block, layer, :, :, offset] = pool.kv[block, layer, :, :, offset]
+    assert torch.equal(pool.kv, before)

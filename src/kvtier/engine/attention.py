@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine.hooks import AttentionObserver
-from kvtier.engine.kv_pool import KVPool
+from kvtier.engine.kv_pool import KVPool, SlotPlan
 from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
 
 
@@ -59,9 +59,10 @@ class AttentionMetadata:
     Built once per step by the runner and shared by all layers.
     """
 
-    # Where the new K/V go: from the pool's `plan_writes` (KVPool: a vector index tensor;
-    # QuantizedKVPool: a WritePlan), handed back to its `write_slots` untouched.
-    slot_index: torch.Tensor | WritePlan
+    # Where the new K/V go: from the pool's `plan_writes` (KVPool: a SlotPlan;
+    # QuantizedKVPool: a WritePlan), handed back to its `write_slots` untouched. Set by the
+    # runner once all of the step's slots are known.
+    slot_index: SlotPlan | WritePlan | None = None
     num_decodes: int = 0
     decode_request_ids: list[str] = field(default_factory=list)
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,19 @@ from kvtier.engine.hooks import BlockCodec, IdentityCodec
 from kvtier.errors import KvtierError
 
 _IDENTITY = IdentityCodec()
+
+
+@dataclass
+class SlotPlan:
+    """Where one step's new K/V go in a `KVPool` (built once per step, shared by every layer).
+
+    Blocks the step writes whole (a prefill chunk's middle blocks) are copied as slabs, the
+    other tokens (decodes, a chunk's partial first and last blocks) a vector at a time.
+    """
+
+    vector_rows: torch.Tensor | None  # rows of K [tokens * heads, D] written as vectors (None: all)
+    vector_index: torch.Tensor  # their layer-0 K vector index (`token_vector_index`)
+    runs: list[tuple[int, int, int]]  # (first token row, first block id, blocks): whole blocks
 
 
 class KVPool:
@@ -66,24 +80,52 @@ class KVPool:
         """The tensors holding the pool's memory (what `engine.prefault` faults in)."""
         return [self.kv]
 
-    def plan_writes(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Where a step's new tokens go: [N * kv_heads] vectors (of head_dim) of layer 0's
-        K, in (token, head) order. Computed once per step; `write_slots` shifts it per
-        layer. (A packed pool returns a richer plan; attention passes it back untouched.)"""
-        return token_vector_index(block_ids, offsets, self.block_shape).to(self.device)
+    def plan_writes(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> SlotPlan:
+        """Where a step's new tokens go (`block_ids`, `offsets`: one per token, in the flat
+        batch's order). Computed once per step; `write_slots` shifts it per layer. (A packed
+        pool returns its own plan; attention passes it back untouched.)"""
+        runs, covered = whole_block_runs(block_ids, offsets, self.block_size)
+        rows = None
+        if runs:  # the rest, one head_dim vector per (token, head)
+            left = (~covered).nonzero().flatten()
+            heads = torch.arange(self.num_kv_heads)
+            rows = (left[:, None] * self.num_kv_heads + heads).reshape(-1).to(self.device)
+            block_ids, offsets = block_ids[left], offsets[left]
+        return SlotPlan(
+            vector_rows=rows,
+            vector_index=token_vector_index(block_ids, offsets, self.block_shape).to(self.device),
+            runs=runs,
+        )
 
     def write_slots(
-        self, layer: int, slot_index: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self, layer: int, plan: SlotPlan, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Store one layer's K/V of a step's new tokens ([N, kv_heads, head_dim] each)."""
+        d, bs, h = self.head_dim, self.block_size, self.num_kv_heads
+        # Whole blocks: one strided slab copy per run of adjacent blocks (measured on this
+        # CPU, a 512-token chunk, one layer: 27 us instead of 110 us for index_copy_,
+        # which moves one 128-byte vector at a time).
+        for row, first, count in plan.runs:
+            rows = slice(row, row + count * bs)
+            dst = self.kv[first : first + count, layer]  # [count, 2, H, bs, D]
+            dst[:, 0].copy_(key[rows].view(count, bs, h, d).transpose(1, 2))
+            dst[:, 1].copy_(value[rows].view(count, bs, h, d).transpose(1, 2))
+        if not plan.vector_index.numel():
+            return
+        keys, values = key.reshape(-1, d), value.reshape(-1, d)
+        if plan.vector_rows is not None:
+            keys, values = (
+                keys.index_select(0, plan.vector_rows),
+                values.index_select(0, plan.vector_rows),
+            )
         # index_copy_ of head_dim vectors: 4x faster than index_put_ with broadcast indices.
-        vectors = self.kv.view(-1, self.head_dim)
-        k_index = slot_index + layer * self._layer_stride
-        vectors.index_copy_(0, k_index, key.reshape(-1, self.head_dim))
-        vectors.index_copy_(0, k_index + self._kv_stride, value.reshape(-1, self.head_dim))
+        vectors = self.kv.view(-1, d)
+        k_index = plan.vector_index + layer * self._layer_stride
+        vectors.index_copy_(0, k_index, keys)
+        vectors.index_copy_(0, k_index + self._kv_stride, values)
 
     def gather(
-        self, layer: int, block_tables: torch.Tensor, plan: torch.Tensor | None = None
+        self, layer: int, block_tables: torch.Tensor, plan: SlotPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer for `block_tables` [B, nb]: each [B, kv_heads, nb * bs, D].
         (`plan`, the step's writes, matters only to a packed pool.)"""
@@ -180,6 +222,30 @@ def adjacent_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, block, 1))
     return runs
+
+
+def whole_block_runs(
+    block_ids: torch.Tensor, offsets: torch.Tensor, block_size: int
+) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+    """The blocks a step writes whole, as runs (first token row, first block id, number of
+    blocks) of adjacent ids written by consecutive rows, and which rows they cover (bool)."""
+    n = len(block_ids)
+    covered = torch.zeros(n, dtype=torch.bool)
+    starts = (offsets[: max(n - block_size + 1, 0)] == 0).nonzero().flatten()
+    if not starts.numel():
+        return [], covered
+    window = starts[:, None] + torch.arange(block_size)
+    whole = (block_ids[window] == block_ids[starts, None]).all(1) & (
+        offsets[window] == torch.arange(block_size)
+    ).all(1)
+    runs: list[tuple[int, int, int]] = []
+    for row, block in zip(starts[whole].tolist(), block_ids[starts[whole]].tolist(), strict=True):
+        if runs and runs[-1][0] + runs[-1][2] * block_size == row and sum(runs[-1][1:]) == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, block, 1))
+        covered[row : row + block_size] = True
+    return runs, covered
 
 
 def token_vector_index(

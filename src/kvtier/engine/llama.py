@@ -180,17 +180,28 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the model dtype, as the reference implementation does.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """Variance in float32 whatever the model dtype, as the reference implementation does,
+    with the same roundings in the same order (so the same bits), in fewer passes: the
+    scaling in place on the float32 copy, the weight in place on the result."""
+    x32 = x.to(torch.float32, copy=True)
+    inv_rms = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return x32.mul_(inv_rms).to(x.dtype).mul_(weight)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]; cos/sin [N, 1, head_dim]. Rotates the two halves."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: what `apply_rope` multiplies the swapped halves by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; cos and `signed_sin(sin)` [N, 1, head_dim]. Rotates the two
+    halves: x * cos + cat(-x2, x1) * sin, computed as x * cos + cat(x2, x1) * signed sin
+    (the same bits: negating before or after a rounded product is exact), one pass less."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out += torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed)
+    return out
 
 
 class LlamaModel:
@@ -245,7 +256,7 @@ class LlamaModel:
         cos, sin = rope_tables(config, config.max_position_embeddings)
         # Tables in the model dtype: transformers casts cos/sin to the activations' dtype.
         self.cos = cos.to(device=device, dtype=dtype)
-        self.sin = sin.to(device=device, dtype=dtype)
+        self.sin_signed = signed_sin(sin.to(device=device, dtype=dtype))
 
     def forward(
         self,
@@ -264,20 +275,21 @@ class LlamaModel:
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.sin_signed[positions].unsqueeze(1)
+        heads = cfg.num_heads + cfg.num_kv_heads
         h = F.embedding(input_ids, self.embed)
         for layer_idx, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             qkv = w.qkv(x)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            # q and k rotated in one pass: adjacent columns of qkv, [N, heads + kv_heads, D].
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(n, heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
             if layer_ready is not None:
                 layer_ready(layer_idx)
-            h = h + w.o(self.attention(layer_idx, q, k, v, meta))
+            h += w.o(self.attention(layer_idx, q, k, v, meta))
             x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
+            h += w.down(F.silu(gate) * up)
         h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()

@@ -67,7 +67,7 @@ class ModelRunner:
         slot_blocks: list[torch.Tensor] = []
         slot_offsets: list[torch.Tensor] = []
         logit_rows = _LogitRows()
-        meta = AttentionMetadata(slot_index=torch.empty(0, dtype=torch.long))
+        meta = AttentionMetadata()
 
         if decodes:  # one token each, at position num_computed_tokens
             pos = [r.num_computed_tokens for r in decodes]
