@@ -240,11 +240,13 @@ def whole_block_runs(
     ).all(1)
     runs: list[tuple[int, int, int]] = []
     for row, block in zip(starts[whole].tolist(), block_ids[starts[whole]].tolist(), strict=True):
-        if runs and runs[-1][0] + runs[-1][2] * block_size == row and sum(runs[-1][1:]) == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] * block_size == row and last[1] + last[2] == block:
+            runs[-1] = (last[0], last[1], last[2] + 1)  # the run's next rows and next id
         else:
             runs.append((row, block, 1))
-        covered[row : row + block_size] = True
+    for row, _, count in runs:
+        covered[row : row + count * block_size] = True
     return runs, covered
 
 
