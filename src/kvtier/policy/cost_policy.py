@@ -355,41 +355,6 @@ class CostPolicy(RetentionPolicy):
             bids += (tail[:-1] * per_byte).tolist()
         return np.array(sizes), np.array(bids)
 
-    def _over_stay(
-        self,
-        table: _Table,
-        rows: np.ndarray,
-        lower: np.ndarray,
-        below: np.ndarray,
-        loss: np.ndarray,
-        kept: float,
-        now: float,
-        density: bool,
-    ) -> np.ndarray:
-        """Per byte, what keeping each of `rows` on the device buys over the stay `kept /
-        rate` (`_keepers`): `P(return within it) * w * L_lower / B`, or with `density` that
-        per interval of device time the chunk would take, `h / E[min(return, stay)]` times it
-        (what the free space bids is per interval too); `loss` where it would be dropped."""
-        rate = self.demand.byte_rate(self.horizon_s, now)
-        end = self.predictor.max_age_s
-        stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
-        # over the schedule from the exact idle time (not the stepped one the induction
-        # prices): sessions in one age bin would tie, and age orders them
-        sessions = np.unique(table.row_session[rows])
-        cdf, which = table.distributions
-        q, d, _ = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
-        back = np.zeros(len(table.sessions))
-        within, held = _return_within(q, d, stay)
-        back[sessions] = within * self.horizon_s / np.maximum(held, 1e-9) if density else within
-        back = back[table.row_session[rows]]
-        size = np.maximum(table.size[rows], 1)
-        saving = np.zeros(len(rows))
-        for j in np.unique(lower).tolist():
-            at = lower == j
-            saving[at] = self.model.load_s(size[at], table.tiers[j])
-        worth = table.weight[table.row_session[rows]] * back * saving / size
-        return np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
-
     def _keepers(
         self,
         table: _Table,
@@ -409,7 +374,24 @@ class CostPolicy(RetentionPolicy):
         its session returns within that time, `P(return within it) * w * L_lower / B`, rather
         than within one interval: a session due back in 40 s is worth keeping over one due in
         10 minutes even though neither is likely back in the next 5 s."""
-        worth = self._over_stay(table, rows, lower, below, loss, kept, now, density=False)
+        rate = self.demand.byte_rate(self.horizon_s, now)
+        end = self.predictor.max_age_s
+        stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
+        # over the schedule from the exact idle time (not the stepped one the induction
+        # prices): sessions in one age bin would tie, and age orders them
+        sessions = np.unique(table.row_session[rows])
+        cdf, which = table.distributions
+        q, d, _ = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
+        back = np.zeros(len(table.sessions))
+        back[sessions] = _return_within(q, d, stay)
+        back = back[table.row_session[rows]]
+        size = np.maximum(table.size[rows], 1)
+        saving = np.zeros(len(rows))
+        for j in np.unique(lower).tolist():
+            at = lower == j
+            saving[at] = self.model.load_s(size[at], table.tiers[j])
+        worth = table.weight[table.row_session[rows]] * back * saving / size
+        worth = np.where(below > 0, worth, loss)  # a drop cannot be taken back: whole value
         order = rows[np.argsort(-worth, kind="stable")]  # rows ascend: ties in key order
         taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
         return order[taken]
@@ -475,20 +457,6 @@ class CostPolicy(RetentionPolicy):
                 # the auction sets how much space idle KV keeps; who keeps it is ranked over
                 # the time that space will stay theirs
                 kept = float(size[chosen].sum())
-                for _ in range(4):  # the stay depends on what is kept: to a fixed point
-                    worth = self._over_stay(table, rows, lower, below, loss, kept, now, True)
-                    rank = np.argsort(-worth, kind="stable")
-                    ids = np.concatenate([np.full(len(reserve[0]), -1), rows[rank]])
-                    bids = np.concatenate([reserve[1], worth[rank]])
-                    sizes = np.concatenate([reserve[0], size[rows[rank]]])
-                    first = np.argsort(-bids, kind="stable")
-                    order, sizes, partial = ids[first], sizes[first], ids[first] < 0
-                    taken, left = _first_fit(sizes, partial, room)
-                    again = float(size[order[taken & (order >= 0)]].sum())
-                    if again == kept:
-                        break
-                    kept = again
-                available[tier] = left
                 chosen = self._keepers(table, rows, lower, below, loss, kept, now)
                 available[tier] += kept - float(size[chosen].sum())
             placed[chosen] = j
@@ -572,23 +540,16 @@ def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
     return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
 
 
-def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> tuple[np.ndarray, np.ndarray]:
-    """(P(return within `span` s from now), E[min(time to return, span)]) per session, from
-    schedules (q, d) as `_schedules` gives them; the hazard is taken as constant inside each
-    interval."""
+def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:
+    """P(return within `span` s from now) per session, from schedules (q, d) as `_schedules`
+    gives them; the hazard is taken as constant inside each interval."""
     if not q.size:
-        return np.zeros(len(q)), np.zeros(len(q))
+        return np.zeros(len(q))
     offset = np.cumsum(d, axis=1) - d  # each interval's start, from now
     inside = np.clip(span - offset, 0.0, d)
     share = np.divide(inside, d, out=np.zeros_like(d), where=d > 0)
-    stay = np.power(np.clip(1.0 - q, 0.0, 1.0), share)  # still idle through each share
-    before = np.concatenate([np.ones((len(q), 1)), np.cumprod(stay, axis=1)[:, :-1]], axis=1)
-    # idle time inside each share: its length times (1 - stay) / -ln(stay), the length itself
-    # where nobody returns in it
-    with np.errstate(divide="ignore"):
-        fall = -np.log(stay)
-    area = np.divide(inside * (1.0 - stay), fall, out=inside.copy(), where=fall > 0)
-    return 1.0 - stay.prod(axis=1), (before * area).sum(axis=1)
+    stay = np.power(np.clip(1.0 - q, 0.0, 1.0), share)
+    return 1.0 - stay.prod(axis=1)
 
 
 def _first_fit(sizes: np.ndarray, partial: np.ndarray, room: float) -> tuple[np.ndarray, float]:
