@@ -68,9 +68,9 @@ def keyed(kind: str) -> dict:
     return {"signed": {"signer": Signer(KEY)}, "sealed": {"sealer": Sealer(KEY)}}.get(kind, {})
 
 
-def layered_tier_of(request, tmp_path: Path, kind: str = "plain"):
-    """A disk or Redis tier (`request.param`) writing layered records, protected as `kind`."""
-    if request.param == "disk":
+def layered_tier_of(request, tmp_path: Path, place: str, kind: str = "plain"):
+    """A "disk" or "redis" tier (`place`) writing layered records, protected as `kind`."""
+    if place == "disk":
         return DiskTier(tmp_path / "d", 64 << 20, layered=True, **keyed(kind))
     url = request.getfixturevalue("redis_url")
     return RedisTier(url, 64 << 20, layered=True, prefix=f"kvt-{kind}", **keyed(kind))
@@ -78,7 +78,7 @@ def layered_tier_of(request, tmp_path: Path, kind: str = "plain"):
 
 @pytest.fixture(params=["disk", "redis"])
 def layered_tier(request, tmp_path: Path):
-    tier = layered_tier_of(request, tmp_path)
+    tier = layered_tier_of(request, tmp_path, request.param)
     yield tier
     tier.close()
 
@@ -166,27 +166,38 @@ def test_layered_record_head_is_version_2_and_scans_back(tmp_path: Path) -> None
     again.close()
 
 
-# ----- signed layered records (version 3) --------------------------------------------------
+# ----- signed (version 3) and sealed (version 4) layered records ---------------------------
+
+# what marks each kind of keyed layered record
+MARKS = {
+    "signed": (FLAG_SIGNED, VERSION_SIGNED_LAYERED),
+    "sealed": (FLAG_SEALED, VERSION_SEALED_LAYERED),
+}
 
 
-@pytest.fixture(params=["disk", "redis"])
-def signed_tier(request, tmp_path: Path):
-    tier = layered_tier_of(request, tmp_path, "signed")
-    yield tier
+@pytest.fixture(
+    params=[(place, kind) for kind in MARKS for place in ("disk", "redis")],
+    ids=lambda param: "-".join(param),
+)
+def keyed_tier(request, tmp_path: Path):
+    tier = layered_tier_of(request, tmp_path, *request.param)
+    yield request.param[1], tier
     tier.close()
 
 
-def test_signed_layered_record_reads_by_layer_and_whole(signed_tier) -> None:
+def test_keyed_layered_record_reads_by_layer_and_whole(keyed_tier) -> None:
+    kind, tier = keyed_tier
     kv = chunk(6)
-    assert signed_tier.put(b"k", Payload.of(kv), namespace="ns")
-    (head,) = signed_tier.layer_heads([(b"k", "ns")])
-    assert head is not None and head.flags & FLAG_SIGNED and len(head.layer_sums) == LAYERS
-    assert head.raw[4] == VERSION_SIGNED_LAYERED
-    dest, oks = read_all_layers(signed_tier, b"k", head)
+    assert tier.put(b"k", Payload.of(kv), namespace="ns")
+    (head,) = tier.layer_heads([(b"k", "ns")])
+    flag, version = MARKS[kind]
+    assert head is not None and head.flags & flag and len(head.layer_sums) == LAYERS
+    assert head.raw[4] == version
+    dest, oks = read_all_layers(tier, b"k", head)
     assert all(oks) and torch.equal(dest, as_bytes(kv))
-    assert torch.equal(signed_tier.get(b"k", namespace="ns").tensor(), kv)
-    # the signature spans the layers in order: a read that skips or reorders them fails
-    _, oks = read_all_layers(signed_tier, b"k", head, [0, 2, 1])
+    assert torch.equal(tier.get(b"k", namespace="ns").tensor(), kv)
+    # the signature or tag spans the layers in order: a read that skips or reorders them fails
+    _, oks = read_all_layers(tier, b"k", head, [0, 2, 1])
     assert oks == [True, False, False]
 
 
@@ -248,8 +259,8 @@ def test_a_layer_from_another_record_fails_the_read(
 def test_tiers_serve_only_layered_records_protected_as_theirs(redis_url: str) -> None:
     """Plain, signed and sealed layered records side by side under one prefix: each tier
     serves its own kind by layers and whole, and no other (a plain record planted where a
-    keyed tier reads is no proof of origin; a keyed one needs the key, and a signed record
-    stripped of nothing still is not sealed)."""
+    keyed tier reads is no proof of origin; a plain tier can check no signature and open no
+    seal; a signing tier opens no seal, and a sealing one takes no signature for one)."""
     kinds = ["plain", "signed", "sealed"]
     tiers = {
         kind: RedisTier(redis_url, 64 << 20, layered=True, prefix="kvt-own", **keyed(kind))
@@ -274,24 +285,9 @@ def test_tiers_serve_only_layered_records_protected_as_theirs(redis_url: str) ->
 
 @pytest.fixture(params=["disk", "redis"])
 def sealed_tier(request, tmp_path: Path):
-    tier = layered_tier_of(request, tmp_path, "sealed")
+    tier = layered_tier_of(request, tmp_path, request.param, "sealed")
     yield tier
     tier.close()
-
-
-def test_sealed_layered_record_reads_by_layer_and_whole(sealed_tier) -> None:
-    kv = chunk(11)
-    assert sealed_tier.put(b"k", Payload.of(kv), namespace="ns")
-    (head,) = sealed_tier.layer_heads([(b"k", "ns")])
-    assert head is not None and head.flags & FLAG_SEALED and len(head.layer_sums) == LAYERS
-    assert head.raw[4] == VERSION_SEALED_LAYERED
-    assert head.body_len == head.payload_nbytes == kv.numel() * 2  # nonce and tag in the head
-    dest, oks = read_all_layers(sealed_tier, b"k", head)
-    assert all(oks) and torch.equal(dest, as_bytes(kv))
-    assert torch.equal(sealed_tier.get(b"k", namespace="ns").tensor(), kv)
-    # the tag spans the layers in order: a read that skips or reorders them fails
-    _, oks = read_all_layers(sealed_tier, b"k", head, [0, 2, 1])
-    assert oks == [True, False, False]
 
 
 def stored_body(tier, key: bytes) -> bytes:
@@ -313,11 +309,11 @@ def test_sealed_layers_are_ciphertext_under_a_fresh_nonce(sealed_tier) -> None:
     sealed_tier.put(b"a", Payload.of(kv), namespace="ns")
     sealed_tier.put(b"b", Payload.of(kv), namespace="ns")
     heads = sealed_tier.layer_heads([(b"a", "ns"), (b"b", "ns")])
+    assert heads[0].body_len == heads[0].payload_nbytes == len(plain)  # nonce and tag in head
     bodies = [stored_body(sealed_tier, key) for key in (b"a", b"b")]
     assert heads[0].mac[:12] != heads[1].mac[:12]
     assert bodies[0] != bodies[1]
     for body in bodies:
-        assert len(body) == len(plain)
         # counter mode: a byte equal by chance 1 time in 256, never most of them
         assert sum(x == y for x, y in zip(body[:4096], plain[:4096], strict=True)) < 64
     assert all(
