@@ -241,6 +241,30 @@ def test_records_written_before_restore_whole(engine, tmp_path):
     assert_no_leak(engine)
 
 
+def test_sealed_layered_records_restore_whole_under_chunk(engine, tmp_path):
+    """Version-4 records (sealed layered, written with "layer" by a persistent sealed disk
+    tier) restore whole, prefetched, under "chunk": decrypted straight into block-major
+    order, same output."""
+    sessions = Sessions(engine)
+    refs = sessions.references()
+    sealed = {"disk_persist": True, "encrypt": True, "encrypt_key": KEY}
+    connector = attach_connector(engine, layered("disk", tmp_path, **sealed), "offload")
+    sessions.run_firsts()
+    assert connector.flush(timeout=30)
+    disk = connector.store.tiers["disk"]
+    assert {loc.head.raw[4] for loc in disk._index.values()} == {VERSION_SEALED_LAYERED}
+    connector = attach_connector(
+        engine, layered("disk", tmp_path, restore_pipeline="chunk", **sealed), "offload"
+    )
+    results = sessions.finish(sessions.add_seconds())
+    for name, (tokens, final) in results.items():
+        assert tokens == refs[name]
+        assert final.metrics.prompt_token_sources["disk"] == 3 * CHUNK
+    assert connector.counters["restored_chunks_layered"] == 0
+    assert connector.counters["restored_chunks"] == 6
+    assert_no_leak(engine)
+
+
 def test_layer_past_the_deadline_is_not_used(engine, tmp_path, own_redis):
     """A Redis that freezes while the layers come: the forward stops waiting at the restore
     deadline and goes on, so the layers it read unverified are thrown away with the step."""
