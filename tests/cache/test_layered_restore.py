@@ -16,7 +16,7 @@ import pytest
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine
-from kvtier.tiers.record import VERSION_SEALED_LAYERED
+from kvtier.tiers.record import VERSION, VERSION_SEALED_LAYERED
 
 from .scenario import GREEDY, assert_no_leak, drain
 
@@ -220,41 +220,36 @@ def test_redis_dying_mid_restore_is_recomputed(engine, tmp_path, own_redis):
     assert_no_leak(engine)
 
 
-def test_records_written_before_restore_whole(engine, tmp_path):
-    """Version-1 records (written with restore_pipeline="chunk", kept by a persistent disk
-    tier) restore whole under "layer", and the output is the same."""
-    sessions = Sessions(engine)
-    refs = sessions.references()
-    old = layered("disk", tmp_path, restore_pipeline="chunk", disk_persist=True)
-    connector = attach_connector(engine, old, "offload")
-    sessions.run_firsts()
-    assert connector.flush(timeout=30)
-    connector = attach_connector(
-        engine, layered("disk", tmp_path, disk_persist=True, prefetch=False), "offload"
-    )
-    results = sessions.finish(sessions.add_seconds())
-    for name, (tokens, final) in results.items():
-        assert tokens == refs[name]
-        assert final.metrics.prompt_token_sources["disk"] == 3 * CHUNK
-    assert connector.counters["restored_chunks_layered"] == 0
-    assert connector.counters["restored_chunks"] == 6
-    assert_no_leak(engine)
+SEALED = {"encrypt": True, "encrypt_key": KEY}
 
 
-def test_sealed_layered_records_restore_whole_under_chunk(engine, tmp_path):
-    """Version-4 records (sealed layered, written with "layer" by a persistent sealed disk
-    tier) restore whole, prefetched, under "chunk": decrypted straight into block-major
-    order, same output."""
+@pytest.mark.parametrize(
+    ("written", "read", "keys", "reader", "version"),
+    [
+        ("chunk", "layer", {}, {"prefetch": False}, VERSION),
+        ("layer", "chunk", SEALED, {}, VERSION_SEALED_LAYERED),
+    ],
+    ids=["version-1-under-layer", "sealed-version-4-under-chunk"],
+)
+def test_records_restore_whole_across_pipelines(
+    engine, tmp_path, written, read, keys, reader, version
+):
+    """Records one pipeline wrote, kept by a persistent disk tier, restore whole under the
+    other, and the output is the same: version-1 records (written with "chunk", from before
+    layered records) under "layer"; sealed layered records (version 4, written with "layer")
+    under "chunk", prefetched and decrypted straight into block-major order."""
     sessions = Sessions(engine)
     refs = sessions.references()
-    sealed = {"disk_persist": True, "encrypt": True, "encrypt_key": KEY}
-    connector = attach_connector(engine, layered("disk", tmp_path, **sealed), "offload")
+    writer = layered("disk", tmp_path, restore_pipeline=written, disk_persist=True, **keys)
+    connector = attach_connector(engine, writer, "offload")
     sessions.run_firsts()
     assert connector.flush(timeout=30)
     disk = connector.store.tiers["disk"]
-    assert {loc.head.raw[4] for loc in disk._index.values()} == {VERSION_SEALED_LAYERED}
+    assert {loc.head.raw[4] for loc in disk._index.values()} == {version}
     connector = attach_connector(
-        engine, layered("disk", tmp_path, restore_pipeline="chunk", **sealed), "offload"
+        engine,
+        layered("disk", tmp_path, restore_pipeline=read, disk_persist=True, **keys, **reader),
+        "offload",
     )
     results = sessions.finish(sessions.add_seconds())
     for name, (tokens, final) in results.items():

@@ -11,6 +11,14 @@ import torch
 from kvtier.tiers import RedisTier, Sealer, TierError
 from kvtier.tiers.crypto import OVERHEAD_BYTES
 
+# what is opened differs from what was sealed: the namespace (so the key), the associated data
+# (the block key), or a byte of the ciphertext
+ANYTHING_CHANGED = pytest.mark.parametrize(
+    "namespace, associated, flip",
+    [("other-tenant", b"key", None), ("tenant", b"other-key", None), ("tenant", b"key", 500)],
+    ids=["wrong-namespace-key", "moved-to-another-key", "tampered-ciphertext"],
+)
+
 
 def open_bytes(sealer: Sealer, namespace: str, associated: bytes, sealed: bytes) -> bytes:
     dest = bytearray(len(sealed) - OVERHEAD_BYTES)
@@ -28,11 +36,7 @@ def test_seal_round_trips_and_hides_the_plaintext() -> None:
     assert sealer.seal("tenant", b"key", plaintext) != sealed  # fresh nonce every time
 
 
-@pytest.mark.parametrize(
-    "namespace, associated, flip",
-    [("other-tenant", b"key", None), ("tenant", b"other-key", None), ("tenant", b"key", 500)],
-    ids=["wrong-namespace-key", "moved-to-another-key", "tampered-ciphertext"],
-)
+@ANYTHING_CHANGED
 def test_anything_changed_fails_to_open(namespace, associated, flip) -> None:
     sealer = Sealer(os.urandom(32))
     sealed = sealer.seal("tenant", b"key", os.urandom(1000))
@@ -68,11 +72,7 @@ def test_detached_seal_opens_piece_by_piece_under_the_same_key() -> None:
     assert open_detached(sealer, "tenant", b"key", seal, bytearray(body)) == plaintext
 
 
-@pytest.mark.parametrize(
-    "namespace, associated, flip",
-    [("other-tenant", b"key", None), ("tenant", b"other-key", None), ("tenant", b"key", 500)],
-    ids=["wrong-namespace-key", "moved-to-another-key", "tampered-ciphertext"],
-)
+@ANYTHING_CHANGED
 def test_anything_changed_fails_a_detached_seal_at_the_end(namespace, associated, flip) -> None:
     sealer = Sealer(os.urandom(32))
     body = bytearray(os.urandom(1000))
