@@ -3,7 +3,7 @@
     flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
         [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk] [--no-prefault] \
-        [--integrity none|mac]
+        [--integrity none|mac|encrypt]
 
 One engine (the embedded SmolLM2, bf16, `--threads` torch threads). Each repeat:
 
@@ -26,6 +26,8 @@ the device: once the move to disk is flushed, each segment file is fsynced and d
 the page cache (`posix_fadvise(DONTNEED)`, which touches no other file's pages). Starts its
 own redis-server unless --redis-url; `--integrity mac` signs the remote tier's values with a
 fixed key (its layered records then are version 3, checked layer by layer and by signature
+with the last layer); `--integrity encrypt` seals disk and remote records with it (AES-GCM;
+layered records version 4, each layer decrypted as it passes its checksum, the tag checked
 with the last layer). Each timed turn also counts the minor page faults the
 engine's thread took in it: first touches of KV pool memory no request had written yet, which
 the engine's background prefault (`EngineConfig.prefault_kv_pool`, on unless `--no-prefault`)
@@ -78,9 +80,11 @@ from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.outputs import RequestOutput
 from kvtier.policy.actions import Move
 from kvtier.tiers import Payload
-from kvtier.tiers.record import RecordCodec, parse_head
+from kvtier.tiers.crypto import Sealer, Signer
+from kvtier.tiers.record import RecordCodec, RecordHead, parse_head
 
 MIB = 1 << 20
+BENCH_KEY = bytes(range(32))  # a fixed key: signed or sealed values of every run alike
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
@@ -102,7 +106,8 @@ def all_tiers(
         forms={"disk": form},  # remote inherits it
         restore_pipeline=pipeline,
         integrity=integrity,
-        encrypt_key=bytes(range(32)) if integrity == "mac" else None,  # a fixed bench key
+        encrypt=integrity == "encrypt",  # sealed: disk records too
+        encrypt_key=BENCH_KEY if integrity != "none" else None,
     )
 
 
@@ -242,27 +247,56 @@ def codec_ms(engine: Engine, form: str, repeats: int = 7) -> tuple[float, float]
     return statistics.median(encode) * 1000, statistics.median(decode) * 1000
 
 
-def record_ms(engine: Engine, repeats: int = 7) -> dict[str, float]:
-    """Median ms to write one 256-token chunk of the pool's KV as a record (head + body, on
-    the mover's worker), plain and layered (a transposed copy and 30 more hashes), and to
-    lay a layered body back out block-major (a whole read of a layered record)."""
+def protection(integrity: str) -> dict:
+    """A record codec's keys for `--integrity`."""
+    if integrity == "encrypt":
+        return {"sealer": Sealer(BENCH_KEY)}
+    return {"signer": Signer(BENCH_KEY)} if integrity == "mac" else {}
+
+
+def record_ms(engine: Engine, integrity: str = "none", repeats: int = 7) -> dict[str, float]:
+    """Median ms per 256-token chunk of the pool's KV: writing it as a record (head + body, on
+    the mover's worker), plain and layered (a transposed copy and 30 more hashes); laying a
+    layered body back out block-major (a whole read of a layered record); and reading all
+    its layers from a buffer into the blocks' slices through `LayerCheck` (checksum, copy;
+    signature or decryption when keyed), as a Redis layer read does after its GETRANGE.
+    With `integrity` "mac" or "encrypt", each again with that protection (" mac", " encrypt")
+    beside the plain one, so that the keyed pass's cost is measured side by side."""
     pool = engine.kv_pool
-    chunk = Payload.of(pool.kv[: 256 // pool.block_size].clone())
-    times: dict[str, list[float]] = {"write": [], "write layered": [], "whole read layered": []}
-    plain, layered = RecordCodec(), RecordCodec(layered=True)
+    blocks, layers = 256 // pool.block_size, pool.kv.shape[1]
+    chunk = Payload.of(pool.kv[:blocks].clone())
     dest = torch.empty(chunk.nbytes, dtype=torch.uint8)
-    for _ in range(repeats):
+    rows = dest.view(blocks, layers, -1)
+    slabs = [[memoryview(rows[b, i].numpy()) for b in range(blocks)] for i in range(layers)]
+    times: dict[str, list[float]] = {}
+
+    def timed_as(name: str, run, *args):
         start = time.perf_counter()
-        plain.encode(b"k", "", chunk)
-        times["write"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        head, body = layered.encode(b"k", "", chunk)
-        times["write layered"].append(time.perf_counter() - start)
-        parsed = parse_head(head)
-        start = time.perf_counter()
-        layered.decode(parsed, body, dest, in_place=False)
-        times["whole read layered"].append(time.perf_counter() - start)
+        result = run(*args)
+        times.setdefault(name, []).append(time.perf_counter() - start)
+        return result
+
+    kinds = {"": "none"} | ({f" {integrity}": integrity} if integrity != "none" else {})
+    for suffix, kind in kinds.items():
+        plain = RecordCodec(**protection(kind))
+        layered = RecordCodec(**protection(kind), layered=True)
+        for _ in range(repeats):
+            timed_as("write" + suffix, plain.encode, b"k", "", chunk)
+            head, body = timed_as("write layered" + suffix, layered.encode, b"k", "", chunk)
+            parsed = parse_head(head)
+            timed_as("whole read layered" + suffix, layered.decode, parsed, body, dest, False)
+            timed_as("layer reads" + suffix, read_by_layers, layered, parsed, body, slabs)
     return {name: statistics.median(runs) * 1000 for name, runs in times.items()}
+
+
+def read_by_layers(
+    codec: RecordCodec, head: RecordHead, body: memoryview, slabs: list[list[memoryview]]
+) -> None:
+    """Every layer of a layered record's `body`, in order, into `slabs[layer]`, checked."""
+    check = codec.layer_check(head)
+    for layer, into in enumerate(slabs):
+        offset, length = head.layer_span(layer)
+        check.verify(layer, [body[offset : offset + length]], into)
 
 
 def main() -> None:
@@ -282,9 +316,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--integrity",
-        choices=["none", "mac"],
+        choices=["none", "mac", "encrypt"],
         default="none",
-        help="how the remote tier protects its values: checksummed only, or signed (GMAC)",
+        help="how the remote tier protects its values: checksummed only, signed (GMAC), or "
+        "sealed (AES-GCM; disk records sealed too)",
     )
     parser.add_argument(
         "--no-prefault",
@@ -358,7 +393,7 @@ def main() -> None:
             baseline_runs["copy"].append(copy_ms(moved))
             baseline_runs["GET"].append(get_ms(redis_url, moved, -(-args.tokens // 256)))
         codecs = {form: codec_ms(engine, form) for form in forms if form != "full"}
-        records = record_ms(engine) if "layer" in args.pipeline.split(",") else {}
+        records = record_ms(engine, args.integrity) if "layer" in args.pipeline.split(",") else {}
         baselines = {name: statistics.median(runs) for name, runs in baseline_runs.items()}
     finally:
         engine.close()
@@ -370,7 +405,7 @@ def main() -> None:
         f"\nresumed {args.tokens}-token session, embedded SmolLM2 bf16, {args.threads} torch "
         f"thread(s), medians of {args.repeats}; disk reads "
         f"{'cold (from the device)' if args.cold_disk else 'from the page cache'}; remote "
-        f"values {'signed' if args.integrity == 'mac' else 'checksummed only'}\n"
+        f"values {VALUES[args.integrity]}\n"
     )
     print(
         "| restored from | median TTFT (ms) | vs recompute | bytes in the tier "
@@ -387,9 +422,11 @@ def main() -> None:
     for form, (encode, decode) in codecs.items():
         print(f"\n{form}: encode {encode:.1f} ms, decode {decode:.1f} ms per 256-token chunk")
     if records:
+        chunks = -(-args.tokens // 256)
         print(
-            "\nrecords, per 256-token chunk: "
-            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in records.items())
+            "\nrecords, per 256-token chunk (and per restore of the session's "
+            f"{chunks} chunks): "
+            + ", ".join(f"{name} {ms:.2f} ({ms * chunks:.1f}) ms" for name, ms in records.items())
         )
     targets = print_targets(results, baselines, baseline_runs, moved)
     if args.out:
@@ -416,6 +453,7 @@ def main() -> None:
         )
 
 
+VALUES = {"none": "checksummed only", "mac": "signed", "encrypt": "sealed (disk too)"}
 # source -> (what it is measured against, the most it may cost as a multiple of that)
 TARGETS = {"host": ("copy", 1.5), "disk": ("copy", 2.0), "remote": ("GET", 1.5)}
 

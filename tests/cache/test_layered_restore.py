@@ -1,8 +1,9 @@
 """The layer-wise pipelined restore (`restore_pipeline = "layer"`), real model, real segment
 files, real redis-servers: the same greedy output as recomputing; a damaged layer in the middle
 of a chunk, or a Redis that dies while the layers are coming, throws away only that request's
-step (its neighbour in the batch is unaffected) and it recomputes from the failed chunk; records
-written before (version 1) still restore, whole."""
+step (its neighbour in the batch is unaffected) and it recomputes from the failed chunk, and so
+does a forged layer of a signed or sealed Redis value; records written before (version 1) still
+restore, whole."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine
+from kvtier.tiers.record import VERSION, VERSION_SEALED_LAYERED
 
 from .scenario import GREEDY, assert_no_leak, drain
 
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
 CHUNK = 32  # 2 blocks of 16: a 108-token history is 3 chunks
+KEY = bytes(range(32))
 
 
 def layered(kind: str, tmp_path: Path, redis_url: str | None = None, **extra) -> TiersConfig:
@@ -104,13 +107,26 @@ def chunk_ids(engine: Engine, connector, rid: str) -> list[bytes]:
     return [chunk.id for chunk in connector.store.chunks(keys)]
 
 
-@pytest.mark.parametrize("kind", ["disk", "remote"])
-def test_layered_restore_gives_the_recomputed_output(engine, kind, tmp_path, redis_url):
+@pytest.mark.parametrize(
+    ("kind", "integrity"), [("disk", None), ("remote", None), ("remote", "encrypt")]
+)
+def test_layered_restore_gives_the_recomputed_output(engine, kind, integrity, tmp_path, redis_url):
+    """Restored by layers from disk, plain Redis and sealing Redis (integrity "encrypt":
+    version-4 records, each layer decrypted into the pool as it passes its checksum)."""
     sessions = Sessions(engine)
     refs = sessions.references()
-    connector = attach_connector(engine, layered(kind, tmp_path, redis_url), "offload")
+    tiers = layered(kind, tmp_path, redis_url)
+    if integrity is not None:
+        tiers = dataclasses.replace(
+            tiers, integrity=integrity, encrypt_key=KEY, redis_prefix=f"kvt-layers-{integrity}"
+        )
+    connector = attach_connector(engine, tiers, "offload")
     sessions.run_firsts()
     assert connector.flush(timeout=30)
+    if integrity is not None:  # what the chunks are stored as: sealed layered records
+        client = connector.store.tiers["remote"]._connection()
+        values = [client.get(key) for key in client.keys(f"{tiers.redis_prefix}:*")]
+        assert values and {(raw[4], raw[5]) for raw in values} == {(VERSION_SEALED_LAYERED, 1)}
     results = sessions.finish(sessions.add_seconds())
     for name, (tokens, final) in results.items():
         assert tokens == refs[name]
@@ -147,15 +163,19 @@ def test_damaged_layer_mid_chunk_discards_that_request_alone(engine, tmp_path):
     assert_no_leak(engine)
 
 
-def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_url, forge_layered):
-    """A signing Redis tier (integrity "mac") restores by layers too. One byte of layer 15 of
-    session a's middle chunk is changed with every checksum recomputed: every layer passes its
-    checksum, the signature fails with the last, after the forward has read the rest, so a's
-    step is thrown away and it recomputes from that chunk; b's signed restore stands."""
+@pytest.mark.parametrize("integrity", ["mac", "encrypt"])
+def test_forged_layer_of_a_keyed_record_is_recomputed(
+    engine, tmp_path, redis_url, forge_layered, integrity
+):
+    """A signing (integrity "mac") or sealing ("encrypt") Redis tier restores by layers too.
+    One byte of layer 15 of session a's middle chunk (ciphertext, when sealed) is changed with
+    every checksum recomputed: every layer passes its checksum, the tag fails with the last,
+    after the forward has read the rest (sealed: decrypted, unauthenticated), so a's step is
+    thrown away and it recomputes from that chunk; b's restore stands."""
     sessions = Sessions(engine)
     refs = sessions.references()
-    tiers = layered("remote", tmp_path, redis_url, integrity="mac", encrypt_key=bytes(range(32)))
-    tiers = dataclasses.replace(tiers, redis_prefix="kvt-layers-signed")
+    tiers = layered("remote", tmp_path, redis_url, integrity=integrity, encrypt_key=KEY)
+    tiers = dataclasses.replace(tiers, redis_prefix=f"kvt-layers-keyed-{integrity}")
     connector = attach_connector(engine, tiers, "offload")
     sessions.run_firsts()
     assert connector.flush(timeout=30)
@@ -163,7 +183,7 @@ def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_u
     remote = connector.store.tiers["remote"]
     client = remote._connection()
     target = chunk_ids(engine, connector, rids["a"])[1]
-    (rkey,) = client.keys(f"kvt-layers-signed:*{target.hex()}")
+    (rkey,) = client.keys(f"kvt-layers-keyed-{integrity}:*{target.hex()}")
 
     def flip_a_byte_of_layer_15(body: bytearray, step: int) -> None:
         body[15 * step + step // 2] ^= 0xFF
@@ -171,7 +191,7 @@ def test_forged_layer_of_a_signed_record_is_recomputed(engine, tmp_path, redis_u
     client.set(rkey, forge_layered(client.get(rkey), flip_a_byte_of_layer_15))
     assert_only_a_recomputes(sessions, refs, sessions.finish(rids), "remote")
     counters = connector.counters
-    # a's first chunk and b's three, all signed and restored by layers; a's forged one failed
+    # a's first chunk and b's three, all keyed and restored by layers; a's forged one failed
     assert counters["restored_chunks_layered"] == 4, sorted(counters.items())
     assert counters["restore_layer_failures"] == 1
     assert_no_leak(engine)
@@ -200,17 +220,36 @@ def test_redis_dying_mid_restore_is_recomputed(engine, tmp_path, own_redis):
     assert_no_leak(engine)
 
 
-def test_records_written_before_restore_whole(engine, tmp_path):
-    """Version-1 records (written with restore_pipeline="chunk", kept by a persistent disk
-    tier) restore whole under "layer", and the output is the same."""
+SEALED = {"encrypt": True, "encrypt_key": KEY}
+
+
+@pytest.mark.parametrize(
+    ("written", "read", "keys", "reader", "version"),
+    [
+        ("chunk", "layer", {}, {"prefetch": False}, VERSION),
+        ("layer", "chunk", SEALED, {}, VERSION_SEALED_LAYERED),
+    ],
+    ids=["version-1-under-layer", "sealed-version-4-under-chunk"],
+)
+def test_records_restore_whole_across_pipelines(
+    engine, tmp_path, written, read, keys, reader, version
+):
+    """Records one pipeline wrote, kept by a persistent disk tier, restore whole under the
+    other, and the output is the same: version-1 records (written with "chunk", from before
+    layered records) under "layer"; sealed layered records (version 4, written with "layer")
+    under "chunk", prefetched and decrypted straight into block-major order."""
     sessions = Sessions(engine)
     refs = sessions.references()
-    old = layered("disk", tmp_path, restore_pipeline="chunk", disk_persist=True)
-    connector = attach_connector(engine, old, "offload")
+    writer = layered("disk", tmp_path, restore_pipeline=written, disk_persist=True, **keys)
+    connector = attach_connector(engine, writer, "offload")
     sessions.run_firsts()
     assert connector.flush(timeout=30)
+    disk = connector.store.tiers["disk"]
+    assert {loc.head.raw[4] for loc in disk._index.values()} == {version}
     connector = attach_connector(
-        engine, layered("disk", tmp_path, disk_persist=True, prefetch=False), "offload"
+        engine,
+        layered("disk", tmp_path, restore_pipeline=read, disk_persist=True, **keys, **reader),
+        "offload",
     )
     results = sessions.finish(sessions.add_seconds())
     for name, (tokens, final) in results.items():

@@ -11,6 +11,14 @@ import torch
 from kvtier.tiers import RedisTier, Sealer, TierError
 from kvtier.tiers.crypto import OVERHEAD_BYTES
 
+# what is opened differs from what was sealed: the namespace (so the key), the associated data
+# (the block key), or a byte of the ciphertext
+ANYTHING_CHANGED = pytest.mark.parametrize(
+    "namespace, associated, flip",
+    [("other-tenant", b"key", None), ("tenant", b"other-key", None), ("tenant", b"key", 500)],
+    ids=["wrong-namespace-key", "moved-to-another-key", "tampered-ciphertext"],
+)
+
 
 def open_bytes(sealer: Sealer, namespace: str, associated: bytes, sealed: bytes) -> bytes:
     dest = bytearray(len(sealed) - OVERHEAD_BYTES)
@@ -28,11 +36,7 @@ def test_seal_round_trips_and_hides_the_plaintext() -> None:
     assert sealer.seal("tenant", b"key", plaintext) != sealed  # fresh nonce every time
 
 
-@pytest.mark.parametrize(
-    "namespace, associated, flip",
-    [("other-tenant", b"key", None), ("tenant", b"other-key", None), ("tenant", b"key", 500)],
-    ids=["wrong-namespace-key", "moved-to-another-key", "tampered-ciphertext"],
-)
+@ANYTHING_CHANGED
 def test_anything_changed_fails_to_open(namespace, associated, flip) -> None:
     sealer = Sealer(os.urandom(32))
     sealed = sealer.seal("tenant", b"key", os.urandom(1000))
@@ -40,6 +44,43 @@ def test_anything_changed_fails_to_open(namespace, associated, flip) -> None:
         sealed[flip] ^= 0x01
     with pytest.raises(TierError):
         open_bytes(sealer, namespace, associated, sealed)
+
+
+def open_detached(sealer: Sealer, namespace: str, associated: bytes, seal: bytes, body) -> bytes:
+    """Open a detached seal in uneven pieces, in order, in place: 1, 299, then the rest."""
+    view = memoryview(body)
+    opening = sealer.opener(namespace, associated, seal)
+    for start, end in [(0, 1), (1, 300), (300, len(view))]:
+        opening.update_into(view[start:end], view[start:end])
+    opening.finish()
+    return bytes(body)
+
+
+def test_detached_seal_opens_piece_by_piece_under_the_same_key() -> None:
+    """`seal_detached` (sealed layered records) encrypts in place under the namespace's
+    sealing key, the one `seal` uses, with a fresh nonce; opened in pieces it gives the
+    plaintext back."""
+    sealer = Sealer(os.urandom(32))
+    plaintext = os.urandom(1000)
+    body = bytearray(plaintext)
+    seal = sealer.seal_detached("tenant", b"key", memoryview(body))
+    assert len(seal) == OVERHEAD_BYTES and plaintext[:32] not in body
+    nonce, tag = seal[:12], seal[12:]
+    assert open_bytes(sealer, "tenant", b"key", nonce + bytes(body) + tag) == plaintext
+    again = bytearray(plaintext)
+    assert sealer.seal_detached("tenant", b"key", memoryview(again))[:12] != nonce
+    assert open_detached(sealer, "tenant", b"key", seal, bytearray(body)) == plaintext
+
+
+@ANYTHING_CHANGED
+def test_anything_changed_fails_a_detached_seal_at_the_end(namespace, associated, flip) -> None:
+    sealer = Sealer(os.urandom(32))
+    body = bytearray(os.urandom(1000))
+    seal = sealer.seal_detached("tenant", b"key", memoryview(body))
+    if flip is not None:
+        body[flip] ^= 0x01
+    with pytest.raises(TierError, match="failed authentication"):
+        open_detached(sealer, namespace, associated, seal, body)
 
 
 def test_another_master_key_cannot_open() -> None:

@@ -57,9 +57,9 @@ class TiersConfig:
     "layer" writes full-precision chunks to disk and Redis as layered records (one checksum
     per layer) and restores them a layer at a time while the forward runs (the forward waits
     for layer i, verified, before layer i's attention): docs/tiers.md, "Layer-wise pipelined
-    restore" (signed records too: each layer's checksum, the signature with the last layer).
-    Sealed records, quantized forms, the host tier, O_DIRECT disk tiers and engines whose
-    forward does not wait per layer (vLLM) keep the whole-chunk path.
+    restore" (signed and sealed records too: each layer's checksum, the signature or the
+    seal's tag with the last layer). Quantized forms, the host tier, O_DIRECT disk tiers and
+    engines whose forward does not wait per layer (vLLM) keep the whole-chunk path.
     `encrypt` seals disk and remote records with `encrypt_key` (AES-GCM; a random per-process
     key without one). `integrity`, how the remote tier protects its values: "encrypt"
     (sealed), "mac" (signed with `encrypt_key`: readable, but nobody without the key can

@@ -56,8 +56,8 @@ class LayerRead(NamedTuple):
     """One chunk's share of a layer read: its layered record's `head` (from `layer_heads`),
     `slabs`, where the layer's bytes go, one writable buffer per block in body order (the
     device blocks' slices of that layer), and `check`, what verifies them, the same one for
-    every layer of one restore (`TierBackend.layer_check`: a signed record's signature spans
-    all its layers)."""
+    every layer of one restore (`TierBackend.layer_check`: a signed record's signature, a sealed
+    one's tag, spans all its layers)."""
 
     key: bytes
     namespace: str
@@ -212,7 +212,8 @@ class TierBackend(ABC):
 
     def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
         """Read layer `layer` of each item's record into its slabs and verify it with the
-        item's `check` (its own checksum; a signed record's signature with its last layer);
+        item's `check` (its own checksum; a signed record's signature, or a sealed one's
+        tag, with its last layer; a sealed layer is decrypted into the slabs);
         False where it is missing, short, damaged, forged or failed (the slabs may then hold
         anything and must not be used). Never raises."""
         return [False] * len(items)

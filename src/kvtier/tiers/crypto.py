@@ -10,6 +10,10 @@ between master key rotations. The associated data binds a ciphertext (or a signa
 block key and metadata, so a record copied under another key, or with edited shape/form, fails
 like tampered bytes do.
 
+A sealed layered record (record.py, version 4) is sealed with the same key and nonce rule,
+its nonce and tag kept apart from the ciphertext (`seal_detached`), so that its layers can be
+decrypted one after another (`opener`) as they arrive, the tag checked with the last.
+
 Signing is GMAC (NIST SP 800-38D): AES-GCM that authenticates the record and encrypts nothing.
 It is the fastest keyed check measured here (docs/tiers.md, "Sealing and signing": 2.4-3.6x
 HMAC-SHA256, 9-12x keyed BLAKE2b on a 5.9 MB body), and `cryptography`, which does the
@@ -38,6 +42,7 @@ OVERHEAD_BYTES = NONCE_BYTES + TAG_BYTES  # what sealing adds to a body
 MAC_BYTES = NONCE_BYTES + TAG_BYTES  # a signature: nonce || tag
 _SEAL_INFO = b"kvtier tier payload v1|"
 _SIGN_INFO = b"kvtier tier mac v1|"
+_SEAL_FAILED = "sealed payload failed authentication (tampered or wrong key)"
 
 _Made = TypeVar("_Made")
 
@@ -73,6 +78,8 @@ class Sealer:
 
     def __init__(self, master_key: bytes) -> None:
         self._cipher = _NamespaceKeys(master_key, _SEAL_INFO, AESGCM)
+        # the same derived key, for the streaming (layer by layer) seal and open
+        self._aes = _NamespaceKeys(master_key, _SEAL_INFO, algorithms.AES)
 
     def seal(self, namespace: str, associated: bytes, plaintext: BytesLike) -> bytearray:
         """nonce || ciphertext || tag, `OVERHEAD_BYTES` longer than the plaintext."""
@@ -93,9 +100,23 @@ class Sealer:
                 bytes(view[:NONCE_BYTES]), view[NONCE_BYTES:], associated, dest
             )
         except InvalidTag as exc:
-            raise RejectedRecord(
-                "sealed payload failed authentication (tampered or wrong key)"
-            ) from exc
+            raise RejectedRecord(_SEAL_FAILED) from exc
+
+    def seal_detached(self, namespace: str, associated: bytes, body: memoryview) -> bytes:
+        """Encrypt `body` in place (the caller's own bytes) and return nonce || tag
+        (`MAC_BYTES`), for a record that keeps them apart from the ciphertext. A fresh random
+        nonce each time, as `seal` draws: the two share the namespace key's nonce budget."""
+        nonce, encryptor = _gcm_encryptor(self._aes(namespace), associated)
+        encryptor.update_into(body, body)
+        encryptor.finalize()
+        return nonce + encryptor.tag
+
+    def opener(self, namespace: str, associated: bytes, seal: bytes) -> Unsealing:
+        """Open what `seal_detached` sealed a piece at a time, in order (the layers of a
+        sealed layered record). RejectedRecord at once when `seal` has the wrong length."""
+        decryptor = _gcm_decryptor(self._aes(namespace), seal)
+        decryptor.authenticate_additional_data(associated)
+        return Unsealing(decryptor)
 
 
 class Signer:
@@ -109,10 +130,7 @@ class Signer:
     def sign(self, namespace: str, pieces: Sequence[BytesLike]) -> bytes:
         """nonce || tag (`MAC_BYTES`) over the concatenation of `pieces`, which the caller
         makes unambiguous (lengths first)."""
-        nonce = os.urandom(NONCE_BYTES)
-        encryptor = Cipher(self._aes(namespace), modes.GCM(nonce)).encryptor()
-        for piece in pieces:
-            encryptor.authenticate_additional_data(piece)
+        nonce, encryptor = _gcm_encryptor(self._aes(namespace), *pieces)
         encryptor.finalize()
         return nonce + encryptor.tag
 
@@ -126,25 +144,59 @@ class Signer:
     def verifier(self, namespace: str, mac: bytes) -> SignatureCheck:
         """`verify` a piece at a time, for pieces that arrive one after another (the layers
         of a layered record). RejectedRecord at once when `mac` has the wrong length."""
-        if len(mac) != MAC_BYTES:
-            raise RejectedRecord("record signature has the wrong length")
-        mode = modes.GCM(mac[:NONCE_BYTES], mac[NONCE_BYTES:])
-        return SignatureCheck(Cipher(self._aes(namespace), mode).decryptor())
+        return SignatureCheck(_gcm_decryptor(self._aes(namespace), mac))
 
 
-class SignatureCheck:
-    """A signature being checked: the signed pieces fed in order, then `finish`. Until
-    `finish` returns, nothing fed may be trusted."""
+def _gcm_encryptor(aes: algorithms.AES, *associated: BytesLike) -> tuple[bytes, Any]:
+    """A fresh random nonce and an AES-GCM encryptor under it, `associated` fed in."""
+    nonce = os.urandom(NONCE_BYTES)
+    encryptor = Cipher(aes, modes.GCM(nonce)).encryptor()
+    for piece in associated:
+        encryptor.authenticate_additional_data(piece)
+    return nonce, encryptor
+
+
+def _gcm_decryptor(aes: algorithms.AES, nonce_tag: bytes) -> Any:
+    """An AES-GCM decryptor that checks the tag of `nonce_tag` (nonce || tag) when it
+    finalizes. RejectedRecord at once when `nonce_tag` has the wrong length."""
+    if len(nonce_tag) != MAC_BYTES:
+        raise RejectedRecord("record nonce and tag have the wrong length")
+    mode = modes.GCM(nonce_tag[:NONCE_BYTES], nonce_tag[NONCE_BYTES:])
+    return Cipher(aes, mode).decryptor()
+
+
+class _TagCheck:
+    """A GCM tag being checked over pieces fed in order, then `finish`. Until `finish`
+    returns, nothing fed, nor anything decrypted, may be trusted."""
+
+    _failed = "record signature does not verify (forged or wrong key)"
 
     def __init__(self, decryptor: Any) -> None:
         self._decryptor = decryptor
 
-    def update(self, piece: BytesLike) -> None:
-        self._decryptor.authenticate_additional_data(piece)
-
     def finish(self) -> None:
-        """RejectedRecord unless the pieces fed are exactly what was signed."""
+        """RejectedRecord unless the pieces fed are exactly what was signed or sealed."""
         try:
             self._decryptor.finalize()
         except InvalidTag as exc:
-            raise RejectedRecord("record signature does not verify (forged or wrong key)") from exc
+            raise RejectedRecord(self._failed) from exc
+
+
+class SignatureCheck(_TagCheck):
+    """A signature being checked: the signed pieces fed in order (`update`), then `finish`."""
+
+    def update(self, piece: BytesLike) -> None:
+        self._decryptor.authenticate_additional_data(piece)
+
+
+class Unsealing(_TagCheck):
+    """A sealed body being opened: its ciphertext decrypted in order, piece by piece
+    (`update_into`), then `finish`. What was decrypted before `finish` returned is not yet
+    authenticated: a caller that used it must throw away whatever it computed from it when
+    `finish` raises."""
+
+    _failed = _SEAL_FAILED
+
+    def update_into(self, ciphertext: BytesLike, dest: memoryview) -> None:
+        """Decrypt `ciphertext` into `dest` (exactly its size; may be the same memory)."""
+        self._decryptor.update_into(ciphertext, dest)

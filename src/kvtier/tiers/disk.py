@@ -84,10 +84,10 @@ class DiskTier(TierBackend):
         sealer, signer: encrypt and authenticate records (AES-GCM) or only authenticate them
             (GMAC); at most one. Tombstones are neither: a forged one can only delete.
         layered: write full-precision chunks as layered records (record.py), read back a
-            layer at a time by the pipelined restore (signed ones too); not with sealing,
-            nor under O_DIRECT (every iovec would have to be page-aligned in memory and
-            length, which not every model's layer slices are: those tiers keep whole-record
-            reads).
+            layer at a time by the pipelined restore (signed and sealed ones too: a sealed
+            layer is read into the slabs and decrypted there, in place); not under O_DIRECT
+            (every iovec would have to be page-aligned in memory and length, which not every
+            model's layer slices are: those tiers keep whole-record reads).
         """
         super().__init__(name)
         if capacity_bytes < 4 * HEADER_BYTES:
@@ -173,7 +173,8 @@ class DiskTier(TierBackend):
     def _read(self, loc: _Loc, out: torch.Tensor | None) -> Payload:
         head, segment = loc.head, loc.segment
         if head.flags & FLAG_SEALED:
-            # Decryption is the copy: the ciphertext is read into scratch memory first.
+            # Decryption is the copy: the ciphertext is read into scratch memory first (a
+            # sealed layered body is decrypted from there into `dest`'s rows, block-major).
             dest = self._codec.body_into(head, out)
             raw = segment.read(loc.offset, head.record_len, self._bounce)
             _check_same(raw, head)
@@ -232,8 +233,8 @@ class DiskTier(TierBackend):
 
     def _read_layer(self, item: LayerRead, layer: int) -> bool:
         """One preadv of the layer's contiguous range straight into the item's slabs (the
-        device blocks), then its checksum, under the tier's lock (GC may not unlink the
-        segment meanwhile)."""
+        device blocks), then its checksum (and, sealed, its decryption in place), under the
+        tier's lock (GC may not unlink the segment meanwhile)."""
         start = perf_counter()
         try:
             with self._lock:

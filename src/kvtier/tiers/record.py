@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"KVTR"
-    4       1     version: 1, or 2 for a layered record (below)
+    4       1     version: 1, or 2, 3 or 4 for a layered record (below)
     5       1     flags: 1 = body sealed (AES-GCM), 2 = tombstone (a durable delete, no body),
                   4 = page head (the head is padded to 4096 bytes instead of 64),
                   8 = signed (a GMAC of the record follows the metadata)
@@ -15,7 +15,8 @@
     36      8     xxh3-64 of bytes 0..36 and of key + namespace + metadata
     44      K+N+M key, namespace, metadata
     ...     28    with flag 8: nonce || tag of a GMAC (crypto.Signer) over K, N, M, B, key,
-                  namespace, metadata and body, under the namespace's key
+                  namespace, metadata and body, under the namespace's key; in a version-4
+                  record (flag 1): the nonce || tag its body was sealed with
     ...     0-63  zero padding: the head is a multiple of 64 bytes (of 4096 with flag 4)
     H       B     body (H = head length)
 
@@ -34,6 +35,22 @@ signature's check as it passes its checksum, the signature checked with the last
 (`LayerCheck`): a reader takes no layer of it as proof of anything until then. It has a
 version of its own because readers before it call a version-2 record with a protection flag
 corrupt, and delete it.
+
+A sealed layered record (version 4, FLAG_SEALED) is a layered record whose layer-major body
+was then sealed (AES-256-GCM, `Sealer.seal_detached`): the body is the ciphertext alone, as
+long as the payload, and its nonce || tag sits in the head where a signed record has its
+signature, so that layer i is still the range `[i * B / L, (i + 1) * B / L)`, of ciphertext
+(GCM encrypts in counter mode: byte for byte in place). The layer checksums are of the
+ciphertext, as stored. The associated data is a label of its own, K, N, M, B, key, namespace
+and metadata (`_sealed_identity`), so neither a version-1 sealed body nor a signed record's
+pieces can pass for one. It is read a layer at a time in order, each layer decrypted once it
+passes its checksum, the tag checked with the last layer (`LayerCheck`). A new version
+because a reader before it would read the nonce || tag as part of the body, and one before
+version 2 refuses layered records anyway: to every older reader it is a miss.
+
+A layered record's layer count must be its payload's axis 1 (the shape is in the metadata,
+which the signature or the seal covers, the layer table is not), or it is corrupt: a layer
+table edited to say 15 layers of 60 blocks would otherwise lay an authentic body out wrong.
 
 All integers little-endian. Heads are padded so that a body starts 64-byte aligned wherever its
 record does (segments start records at multiples of 64), as the buffers it is read into are:
@@ -58,13 +75,21 @@ import functools
 import struct
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierError
-from kvtier.tiers.crypto import MAC_BYTES, OVERHEAD_BYTES, Sealer, SignatureCheck, Signer
+from kvtier.tiers.crypto import (
+    MAC_BYTES,
+    OVERHEAD_BYTES,
+    Sealer,
+    SignatureCheck,
+    Signer,
+    Unsealing,
+)
 from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
 from kvtier.tiers.vocab import FULL
 
@@ -72,12 +97,20 @@ MAGIC = b"KVTR"
 VERSION = 1
 VERSION_LAYERED = 2
 VERSION_SIGNED_LAYERED = 3
+VERSION_SEALED_LAYERED = 4
 FLAG_SEALED = 1
 FLAG_TOMBSTONE = 2
 FLAG_PAGE_HEAD = 4
 FLAG_SIGNED = 8
 _KNOWN_FLAGS = FLAG_SEALED | FLAG_TOMBSTONE | FLAG_PAGE_HEAD | FLAG_SIGNED
 _PROTECTION = FLAG_SEALED | FLAG_SIGNED
+# a layered record's version says how it is protected, and is checked against its flags
+_LAYERED_VERSIONS = {
+    0: VERSION_LAYERED,
+    FLAG_SIGNED: VERSION_SIGNED_LAYERED,
+    FLAG_SEALED: VERSION_SEALED_LAYERED,
+}
+_SEALED_LAYERED_LABEL = b"kvtier sealed layered record v4|"  # what a version-4 seal covers first
 
 _FIXED = struct.Struct("<4sBBHHHQQd")
 _IDENTITY = struct.Struct("<HHHQ")  # K, N, M, B: what a signature covers ahead of the bytes
@@ -134,8 +167,11 @@ class RecordHead:
 
     @property
     def payload_nbytes(self) -> int:
-        """Size of the payload the body holds (a sealed body is longer by the nonce and tag)."""
-        return self.body_len - OVERHEAD_BYTES if self.flags & FLAG_SEALED else self.body_len
+        """Size of the payload the body holds (a version-1 sealed body is longer by the nonce
+        and tag; a sealed layered record keeps them in its head)."""
+        if self.flags & FLAG_SEALED and not self.layered:
+            return self.body_len - OVERHEAD_BYTES
+        return self.body_len
 
 
 def encode_head(
@@ -150,15 +186,16 @@ def encode_head(
 ) -> bytes:
     """The head of a record holding `body`, padded to 64 bytes, or to 4096 with FLAG_PAGE_HEAD.
 
-    mac: the record's signature (`signed_pieces`), with FLAG_SIGNED.
-    layer_sums: a layered record's per-layer checksums (version 2; `body` layer-major).
+    mac: the record's signature (`signed_pieces`), with FLAG_SIGNED; a sealed layered
+        record's nonce || tag, with FLAG_SEALED and `layer_sums`.
+    layer_sums: a layered record's per-layer checksums (version 2, 3 or 4 as `flags` protect
+        it; `body` layer-major).
     """
     ns = namespace.encode()
-    if layer_sums:
-        meta = _layer_table(layer_sums) + meta
     version = VERSION
     if layer_sums:
-        version = VERSION_SIGNED_LAYERED if flags & FLAG_SIGNED else VERSION_LAYERED
+        meta = _layer_table(layer_sums) + meta
+        version = _LAYERED_VERSIONS[flags & _PROTECTION]
     fixed = _FIXED.pack(
         MAGIC,
         version,
@@ -195,6 +232,11 @@ def _head_align(flags: int) -> int:
     return PAGE_BYTES if flags & FLAG_PAGE_HEAD else HEAD_ALIGN
 
 
+def _mac_len(version: int, flags: int) -> int:
+    """Length of the nonce || tag after the metadata: a signature, or a version-4 seal's."""
+    return MAC_BYTES if flags & FLAG_SIGNED or version == VERSION_SEALED_LAYERED else 0
+
+
 def head_len(fixed: BytesLike) -> int:
     """Total head length from its first FIXED_BYTES, so a reader knows how much more to read."""
     if len(fixed) < FIXED_BYTES:
@@ -202,10 +244,11 @@ def head_len(fixed: BytesLike) -> int:
     magic, version, flags, key_len, ns_len, meta_len, *_ = _FIXED.unpack_from(fixed)
     if magic != MAGIC:
         raise CorruptRecord("not a kvtier record (bad magic)")
-    if version not in (VERSION, VERSION_LAYERED, VERSION_SIGNED_LAYERED) or flags & ~_KNOWN_FLAGS:
+    known = version == VERSION or version in _LAYERED_VERSIONS.values()
+    if not known or flags & ~_KNOWN_FLAGS:
         # Likely a newer writer's record: not ours to judge, let alone delete.
         raise RejectedRecord(f"record of an unknown format (version {version}, flags {flags})")
-    mac_len = MAC_BYTES if flags & FLAG_SIGNED else 0
+    mac_len = _mac_len(version, flags)
     return align_up(FIXED_BYTES + key_len + ns_len + meta_len + mac_len, _head_align(flags))
 
 
@@ -220,7 +263,7 @@ def parse_head(buf: BytesLike) -> RecordHead:
     )
     (head_sum,) = _SUM.unpack_from(view, _FIXED.size)
     meta_end = key_len + ns_len + meta_len
-    end = FIXED_BYTES + meta_end + (MAC_BYTES if flags & FLAG_SIGNED else 0)
+    end = FIXED_BYTES + meta_end + _mac_len(version, flags)
     variable = bytes(view[FIXED_BYTES:end])
     if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + variable) != head_sum:
         raise CorruptRecord("record head checksum mismatch")
@@ -236,8 +279,7 @@ def parse_head(buf: BytesLike) -> RecordHead:
         layer_sums, meta = _split_layer_table(meta)
         if body_len % len(layer_sums):
             raise CorruptRecord("layered record's body does not split into its layers")
-        protection = FLAG_SIGNED if version == VERSION_SIGNED_LAYERED else 0
-        if flags & _PROTECTION != protection:
+        if _LAYERED_VERSIONS.get(flags & _PROTECTION) != version:
             raise CorruptRecord(f"version-{version} record with protection flags {flags}")
     return RecordHead(
         flags=flags,
@@ -258,10 +300,8 @@ class RecordCodec:
     """Payload <-> (head, body), sealing bodies when the tier encrypts at rest, or signing
     records when it wants integrity without secrecy (one or neither, never both).
 
-    layered: write full-precision chunks as layered records (version 2, or 3 when signed: see
-    the module doc), so they can be restored a layer at a time. Not when sealing: a sealed
-    body is decrypted and authenticated whole (docs/tiers.md, "Layer-wise pipelined
-    restore")."""
+    layered: write full-precision chunks as layered records (version 2, 3 when signed, 4
+    when sealed: see the module doc), so they can be restored a layer at a time."""
 
     def __init__(
         self, sealer: Sealer | None = None, signer: Signer | None = None, *, layered: bool = False
@@ -271,17 +311,23 @@ class RecordCodec:
         self.sealer = sealer
         self.signer = signer
         self._protection = FLAG_SEALED if sealer else FLAG_SIGNED if signer else 0
-        self.layered = layered and sealer is None
+        self.layered = layered
 
     def accepts(self, head: RecordHead) -> bool:
-        """Whether this reader may serve `head`'s record a layer at a time: layered, and
-        protected the way this tier protects (a signing tier serves signed layered records
-        only, a plain one plain ones; a layered record is never sealed)."""
-        return head.layered and head.flags & _PROTECTION == self._protection
+        """Whether this reader may serve `head`'s record a layer at a time: layered as its
+        shape says, and protected the way this tier protects (a sealing tier serves sealed
+        layered records only, a signing tier signed ones, a plain one plain ones)."""
+        if not head.layered or head.flags & _PROTECTION != self._protection:
+            return False
+        try:
+            _layout(head)
+        except (CorruptRecord, ValueError):
+            return False  # a whole read tells what is wrong with it
+        return True
 
     def layer_check(self, head: RecordHead) -> LayerCheck:
         """What verifies one read of `head`'s record a layer at a time (`accepts` first)."""
-        return LayerCheck(head, self.signer)
+        return LayerCheck(head, self.signer, self.sealer)
 
     def encode(
         self, key: bytes, namespace: str, payload: Payload, *, page_head: bool = False
@@ -300,10 +346,17 @@ class RecordCodec:
         mac = b""
         layers = _layer_count(payload) if self.layered else 0
         if layers:
-            body, sums = layer_major(payload.data.cpu(), payload.shape[0], layers)
-            if self.signer is not None:
+            body = layer_major(payload.data.cpu(), payload.shape[0], layers)
+            if self.sealer is not None:
+                # sealed after the layout, in place (the layout is a copy of our own), so a
+                # layer of ciphertext is a layer of the chunk; no page head, as below
+                flags = FLAG_SEALED
+                identity = _sealed_identity(key, namespace, meta, len(body))
+                mac = self.sealer.seal_detached(namespace, identity, body)
+            elif self.signer is not None:
                 flags |= FLAG_SIGNED
                 mac = self.signer.sign(namespace, signed_pieces(key, namespace, meta, body))
+            sums = layer_sums(body, layers)  # of the body as stored: the ciphertext if sealed
             return encode_head(
                 key, namespace, meta, body, flags, time.time(), mac, layer_sums=sums
             ), body
@@ -353,7 +406,17 @@ class RecordCodec:
             # checksums are no proof of origin), and one cannot open what another sealed.
             found, expected = _describe(head.flags), _describe(self._protection)
             raise RejectedRecord(f"record is {found}; this tier expects {expected}")
-        if self.sealer is not None:
+        try:
+            described = _described(head.meta)
+        except ValueError as exc:
+            raise RejectedRecord(str(exc)) from exc  # a newer writer's dtype or form, maybe
+        if self.sealer is not None and head.layered:
+            # decrypted in order straight into the blocks' rows, the tag checked at the end
+            identity = _sealed_identity(head.key, head.namespace, head.meta, head.body_len)
+            opening = self.sealer.opener(head.namespace, identity, head.mac)
+            _scatter([memoryview(body)], block_major_rows(dest, head), opening.update_into)
+            opening.finish()
+        elif self.sealer is not None:
             self.sealer.open_into(head.namespace, head.key + head.meta, body, as_buffer(dest))
         else:
             if self.signer is not None:
@@ -363,10 +426,6 @@ class RecordCodec:
                 block_major_into(body, dest, head)
             elif not in_place:
                 as_buffer(dest)[:] = body
-        try:
-            described = _described(head.meta)
-        except ValueError as exc:
-            raise RejectedRecord(str(exc)) from exc  # a newer writer's dtype or form, maybe
         return Payload(dest, head.payload_nbytes, described.form, described.dtype, described.shape)
 
 
@@ -379,19 +438,44 @@ def _layer_count(payload: Payload) -> int:
     return int(shape[1])
 
 
-def layer_major(data: torch.Tensor, blocks: int, layers: int) -> tuple[BytesLike, tuple[int, ...]]:
-    """A block-major chunk's bytes with blocks and layers swapped, and each layer's xxh3-64."""
-    swapped = data.view(blocks, layers, -1).transpose(0, 1).contiguous().view(-1)
-    body = as_buffer(swapped)
+def layer_major(data: torch.Tensor, blocks: int, layers: int) -> memoryview:
+    """A block-major chunk's bytes with blocks and layers swapped: always a fresh copy (a
+    sealing codec encrypts it in place), even where the swap alone would be a view."""
+    swapped = torch.empty(data.numel(), dtype=torch.uint8)
+    swapped.view(layers, blocks, -1).copy_(data.view(blocks, layers, -1).transpose(0, 1))
+    return as_buffer(swapped)
+
+
+def layer_sums(body: memoryview, layers: int) -> tuple[int, ...]:
+    """Each layer's xxh3-64 of a layer-major body."""
     step = len(body) // layers
-    sums = tuple(xxhash.xxh3_64_intdigest(body[i * step : (i + 1) * step]) for i in range(layers))
-    return body, sums
+    return tuple(xxhash.xxh3_64_intdigest(body[i * step : (i + 1) * step]) for i in range(layers))
+
+
+def _layout(head: RecordHead) -> tuple[int, int]:
+    """A layered record's (blocks, layers), its layer table checked against its shape: the
+    shape is authenticated with the body where a key protects it, the table is not.
+    CorruptRecord when they disagree; ValueError when the metadata is unreadable."""
+    shape = _described(head.meta).shape
+    layers = len(head.layer_sums)
+    if len(shape) < 3 or shape[1] != layers:
+        raise CorruptRecord("layered record's layer table does not match its shape")
+    return shape[0], layers
+
+
+def block_major_rows(dest: torch.Tensor, head: RecordHead) -> list[memoryview]:
+    """`dest`'s rows for a layered record's body in body order: layer 0 of every block, then
+    layer 1, ...: where a layer-major body lands block-major."""
+    blocks, layers = _layout(head)
+    view = as_buffer(dest)
+    step = head.body_len // (blocks * layers)
+    rows = (step * (block * layers + layer) for layer in range(layers) for block in range(blocks))
+    return [view[at : at + step] for at in rows]
 
 
 def block_major_into(body: BytesLike, dest: torch.Tensor, head: RecordHead) -> None:
     """Copy a layered record's (verified) layer-major body into `dest` block-major."""
-    layers = len(head.layer_sums)
-    blocks = _described(head.meta).shape[0]
+    blocks, layers = _layout(head)
     with warnings.catch_warnings():  # a Redis reply is read-only bytes; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         src = torch.frombuffer(body, dtype=torch.uint8)
@@ -425,45 +509,102 @@ def _signed_identity(key: bytes, namespace: str, meta: bytes, body_len: int) -> 
     return _IDENTITY.pack(len(key), len(ns), len(meta), body_len) + key + ns + meta
 
 
+def _sealed_identity(key: bytes, namespace: str, meta: bytes, body_len: int) -> bytes:
+    """A sealed layered record's associated data: its own label, then what a signature
+    covers ahead of the body (the lengths make it unambiguous)."""
+    return _SEALED_LAYERED_LABEL + _signed_identity(key, namespace, meta, body_len)
+
+
 class LayerCheck:
-    """Verifies one read of a layered record a layer at a time: each layer against its own
-    checksum (damage) and, for a signed record, the whole body against the signature (forgery:
-    the checksums are unkeyed, so whoever can write the record can make them match).
+    """Verifies one read of a layered record a layer at a time and leaves each layer's payload
+    bytes where they go: each layer checked against its own checksum (damage) and, for a
+    signed or sealed record, the whole body against the signature or the seal's tag (forgery:
+    the checksums are unkeyed, so whoever can write the record can make them match); a sealed
+    record's layers are decrypted as they pass.
 
-    The signature covers the body in order, so a signed record's layers must come in order,
-    0 to L-1, each fed into the check once it passes its checksum, and the signature is
-    checked with the last one: until then no layer of it is verified, and a caller that has
-    used earlier layers must throw away what it computed from them when the last one fails
-    (the pipelined restore does: the request's step is discarded and recomputed). Any failure
-    raises (CorruptRecord or RejectedRecord) and fails every later layer of this read too."""
+    The tag covers the body in order, so a signed or sealed record's layers must come in
+    order, 0 to L-1, each fed into the check (a sealed one decrypted) once it passes its
+    checksum, and the tag is checked with the last one: until then no layer of it is
+    authenticated (a sealed layer's plaintext included), and a caller that has used earlier
+    layers must throw away what it computed from them when the last one fails (the pipelined
+    restore does: the request's step is discarded and recomputed). Any failure raises
+    (CorruptRecord or RejectedRecord) and fails every later layer of this read too."""
 
-    def __init__(self, head: RecordHead, signer: Signer | None) -> None:
+    def __init__(
+        self, head: RecordHead, signer: Signer | None, sealer: Sealer | None = None
+    ) -> None:
         self.head = head
-        self._signature: SignatureCheck | None = None
+        self._keyed: SignatureCheck | Unsealing | None = None
         if head.flags & FLAG_SIGNED:
             if signer is None:
                 raise RejectedRecord("record is signed; this tier has no key to check it")
-            self._signature = signer.verifier(head.namespace, head.mac)
-            self._signature.update(
-                _signed_identity(head.key, head.namespace, head.meta, head.body_len)
-            )
-        self._next = 0  # the layer a signed record's check takes next; -1 once failed
+            self._keyed = signer.verifier(head.namespace, head.mac)
+            self._keyed.update(_signed_identity(head.key, head.namespace, head.meta, head.body_len))
+        elif head.flags & FLAG_SEALED:
+            if sealer is None:
+                raise RejectedRecord("record is sealed; this tier has no key to open it")
+            identity = _sealed_identity(head.key, head.namespace, head.meta, head.body_len)
+            self._keyed = sealer.opener(head.namespace, identity, head.mac)
+        self._next = 0  # the layer a keyed record's check takes next; -1 once failed
 
-    def verify(self, layer: int, pieces: list[memoryview]) -> None:
-        """Check layer `layer`, read as `pieces` in body order; raises if it may not be used."""
-        if self._signature is None:
+    def verify(
+        self, layer: int, pieces: list[memoryview], into: list[memoryview] | None = None
+    ) -> None:
+        """Check layer `layer`, read as `pieces` in body order, and leave its payload bytes in
+        `into` (in body order; the blocks' slices of the layer), or in `pieces` themselves
+        when None (read where they go: a sealed layer is decrypted in place). Raises if it
+        may not be used, and `into` may then hold anything."""
+        into = pieces if into is None else into
+        if self._keyed is None:
             verify_layer(self.head, layer, pieces)
+            _copy_into(pieces, into)
             return
         if layer != self._next:
             self._next = -1
-            raise RejectedRecord(f"signed record's layer {layer} read out of order")
+            kind = _describe(self.head.flags)
+            raise RejectedRecord(f"{kind} record's layer {layer} read out of order")
         self._next = -1  # until this layer has passed
         verify_layer(self.head, layer, pieces)
-        for piece in pieces:
-            self._signature.update(piece)
+        if isinstance(self._keyed, Unsealing):
+            _scatter(pieces, into, self._keyed.update_into)
+        else:
+            for piece in pieces:
+                self._keyed.update(piece)
+            _copy_into(pieces, into)
         if layer == len(self.head.layer_sums) - 1:
-            self._signature.finish()
+            self._keyed.finish()
         self._next = layer + 1
+
+
+def _copy_into(pieces: list[memoryview], into: list[memoryview]) -> None:
+    if into is not pieces:
+        _scatter(pieces, into, _copy)
+
+
+def _copy(source: memoryview, target: memoryview) -> None:
+    target[:] = source
+
+
+def _scatter(
+    pieces: list[memoryview], into: list[memoryview], step: Callable[[memoryview, memoryview], None]
+) -> None:
+    """`step(source, target)` over `pieces` laid end to end against `into` laid end to end,
+    in equal runs (a layer read as one Redis reply goes to 16 blocks' slices; one read into
+    the slices themselves is opened in place). TierError when their lengths differ."""
+    if sum(len(piece) for piece in pieces) != sum(len(target) for target in into):
+        raise TierError("layer slabs do not match the record's layer")
+    targets = iter(into)
+    target, at = memoryview(b""), 0
+    for piece in pieces:
+        done = 0
+        while done < len(piece):
+            if at == len(target):
+                target, at = next(targets), 0
+                continue
+            n = min(len(piece) - done, len(target) - at)
+            step(piece[done : done + n], target[at : at + n])
+            done += n
+            at += n
 
 
 def _describe(protection: int) -> str:

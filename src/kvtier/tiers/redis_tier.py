@@ -111,8 +111,8 @@ class RedisTier(TierBackend):
             warning (see "Threat model" in docs/tiers.md).
         layered: write full-precision chunks as layered records (record.py: a layer is one
             contiguous range of the value), read back a layer at a time with pipelined
-            GETRANGEs by the pipelined restore (signed ones too: record.LayerCheck); not
-            with sealing.
+            GETRANGEs by the pipelined restore (signed and sealed ones too: record.LayerCheck
+            checks the tag with the last layer).
         """
         super().__init__(name)
         self.url = url
@@ -261,7 +261,7 @@ class RedisTier(TierBackend):
 
     def read_layer(self, items: Sequence[LayerRead], layer: int) -> list[bool]:
         """One pipeline of GETRANGEs, one per chunk, each checked against its layer's sum
-        before its bytes are copied into the slabs."""
+        before its bytes are copied (decrypted, when sealed) into the slabs."""
         start = time.perf_counter()
         spans = [item.head.layer_span(layer) for item in items]
 
@@ -283,12 +283,8 @@ class RedisTier(TierBackend):
             try:
                 if not isinstance(reply, bytes) or len(reply) != length:
                     raise CorruptRecord("layer range missing or cut short")
-                view = memoryview(reply)
-                item.check.verify(layer, [view])
-                at = 0
-                for slab in item.slabs:
-                    slab[:] = view[at : at + len(slab)]
-                    at += len(slab)
+                # checked, then copied (a sealed layer decrypted) from the reply into the slabs
+                item.check.verify(layer, [memoryview(reply)], item.slabs)
             except (TierError, ValueError) as exc:
                 self._failed("layer read", item.key, exc)
                 oks.append(False)
