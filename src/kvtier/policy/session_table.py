@@ -37,6 +37,7 @@ Q_FLOOR = 1e-4
 
 _FIELDS = attrgetter("index", "token_start", "token_end", "size_bytes")
 _TIER = attrgetter("tier")
+_SESSION_ID = attrgetter("session_id")
 
 
 def chunk_columns(session: SessionView) -> np.ndarray:
@@ -74,11 +75,11 @@ class Candidates:
 
     @property
     def ids(self) -> list[str]:
-        return [session.session_id for session in self.sessions]
+        return list(map(_SESSION_ID, self.sessions))
 
 
 def _pick(items: list, at: np.ndarray) -> tuple:
-    return tuple(items[i] for i in at.tolist())
+    return tuple(map(items.__getitem__, at.tolist()))
 
 
 class SessionTable:
