@@ -188,3 +188,24 @@ def test_age_floor_steps_at_the_bin_edges():
     # conditioning on the floor moves a schedule in steps: the same within a bin
     within = predictor.p_reuse_many(("t", "chat"), predictor.age_floor(ages[2:5]), np.full(3, 5.0))
     assert within[0] == within[1] == within[2]
+
+
+def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
+    # the next interval's chance read entry by entry equals p_reuse_cdf on whole gathered
+    # rows, bit for bit, at ages in bin 0, inside and on bin edges, near and past the cut-off
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(7)
+    for i in range(40):
+        for _ in range(4):
+            key = KEY if i % 2 else ("tenant", "api")
+            predictor.record_gap(key, float(rng.lognormal(3.0, 1.5)), session_id=f"s{i}")
+    sessions = [_session(f"s{i}", KEY if i % 2 else ("tenant", "api")) for i in range(60)]
+    table, rows = predictor.cdf_table(sessions)
+    edges = predictor.edges
+    idle = np.concatenate(
+        [[0.0, 0.5, edges[7], 3599.0, 3600.0, 5000.0], rng.uniform(0.0, 4000.0, len(rows) - 6)]
+    )
+    horizon = np.minimum(idle + 5.0, predictor.max_age_s) - idle
+    gathered = predictor.p_reuse_cdf(table[rows], idle[:, None], horizon[:, None])[:, 0]
+    assert predictor.p_reuse_rows(table, rows, idle, horizon).tolist() == gathered.tolist()
+    assert len(table) > 2  # sessions with their own gaps have rows of their own

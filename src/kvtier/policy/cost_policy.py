@@ -59,6 +59,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -186,7 +187,7 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             return {}
         tiers = view.tier_names
-        q, d, _ = self._schedules([session], np.array([session.idle_s(now)]))
+        q, d = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
         values, _ = self._induction(chunks, q, d, prices, tiers)
         return {
@@ -218,7 +219,8 @@ class CostPolicy(RetentionPolicy):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
         cdf = self.predictor.cdf_table(chunks.sessions)
-        q, d, q_now = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
+        q, d = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
+        q_now = self._next_interval(*cdf, candidates.idle_s)
         if self.calibration is not None:
             self.calibration.predict_many(candidates.ids, now, self.horizon_s, q_now)
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
@@ -288,34 +290,42 @@ class CostPolicy(RetentionPolicy):
 
     def _schedules(
         self, sessions: Sequence[SessionView], idle: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """`_schedule_rows` of the sessions' distributions (`ReusePredictor.cdf_table`)."""
         if not len(sessions):
-            return np.zeros((0, 2)), np.zeros((0, 2)), np.zeros(0)
+            return np.zeros((0, 2)), np.zeros((0, 2))
         return self._schedule_rows(*self.predictor.cdf_table(sessions), idle)
+
+    def _next_interval(self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray) -> np.ndarray:
+        """P(return within `horizon_s` | idle exactly `idle[s]`) per session s (distribution
+        `table[rows[s]]`): the next interval's chance."""
+        now_for = np.minimum(idle + self.horizon_s, self.predictor.max_age_s) - idle
+        q_now = self.predictor.p_reuse_rows(table, rows, idle, now_for)
+        q_now[now_for <= 0] = 0.0
+        return q_now
 
     def _schedule_rows(
         self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray, step: bool = True
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q, d, q_now) per session. q and d over the doubling time grid from its idle time
-        to the predictor's cut-off, conditioned on the bin edge at or below its idle time
-        `idle` (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until
-        it), d[s, k] its length; zero past a session's last interval (a session past the
-        cut-off gets one interval of length `horizon_s` with q = 0). Sessions with the same
-        distribution and age bin have the same schedule, computed once. q_now[s]: P(return
-        within `horizon_s` | idle exactly `idle[s]`), the next interval's chance. `step`
-        False: q and d from the exact idle time. Session s has distribution `table[rows[s]]`."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(q, d) per session over the doubling time grid from its idle time to the
+        predictor's cut-off, conditioned on the bin edge at or below its idle time `idle`
+        (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until it),
+        d[s, k] its length; zero past a session's last interval (a session past the cut-off
+        gets one interval of length `horizon_s` with q = 0). Sessions with the same
+        distribution and age bin have the same schedule, computed once. `step` False: from
+        the exact idle time (nothing to share then). Session s has distribution
+        `table[rows[s]]`."""
         end = self.predictor.max_age_s
         h = self.horizon_s
-        now_for = np.minimum(idle + h, end) - idle
-        q_now = self.predictor.p_reuse_cdf(table[rows], idle[:, None], now_for[:, None])[:, 0]
-        q_now[now_for <= 0] = 0.0
-        floor = self.predictor.age_floor(idle) if step else idle
-        ages, age_of = np.unique(floor, return_inverse=True)
-        _, first, which = np.unique(
-            rows * len(ages) + age_of, return_index=True, return_inverse=True
-        )
-        start, cdf = floor[first], table[rows[first]]
+        if step:
+            floor = self.predictor.age_floor(idle)
+            ages, age_of = np.unique(floor, return_inverse=True)
+            _, first, which = np.unique(
+                rows * len(ages) + age_of, return_index=True, return_inverse=True
+            )
+            start, cdf = floor[first], table[rows[first]]
+        else:
+            start, cdf, which = idle, table[rows], slice(None)
         # interval k ends at start + h * 2**k
         count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
         ends = start[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
@@ -326,7 +336,7 @@ class CostPolicy(RetentionPolicy):
         q[d <= 0] = 0.0
         past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
-        return q[which], d[which], q_now
+        return q[which], d[which]
 
     def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(bytes, seconds per byte) of the bids for free device space. The waiting queue
@@ -381,7 +391,7 @@ class CostPolicy(RetentionPolicy):
         # prices): sessions in one age bin would tie, and age orders them
         sessions = np.unique(table.row_session[rows])
         cdf, which = table.distributions
-        q, d, _ = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
+        q, d = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
         back = np.zeros(len(table.sessions))
         back[sessions] = _return_within(q, d, stay)
         back = back[table.row_session[rows]]
@@ -464,26 +474,32 @@ class CostPolicy(RetentionPolicy):
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
         current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
-        better = values > current[:, None]
-        hopeful = np.flatnonzero(better.any(axis=1))
+        # a row with any tier worth more than where it is: its best tier is (no NaN here);
+        # the max over the tier-major columns is elementwise, the [rows, tiers] matrix of
+        # comparisons is made for those rows only
+        hopeful = np.flatnonzero(np.maximum.reduce(columns) > current)
+        better = values[hopeful] > current[hopeful, None]
         # the most room a tier can have during this pass: what is left now plus everything
         # that might move up out of it; a chunk too large for all its better tiers even then
         # is skipped without changing the outcome
         movers = hopeful[placed[hopeful] >= 0]
         leaving = np.bincount(placed[movers], size[movers], count)
         most = np.array([available[t] for t in tiers]) + leaving
-        fits = (better[hopeful] & (size[hopeful, None] <= most[None, :])).any(axis=1)
+        fits = (better & (size[hopeful, None] <= most[None, :])).any(axis=1)
         rows = hopeful[fits]
         room = [available[t] for t in tiers]
-        for r, row, at, now_worth, bytes_ in zip(
+        worth = values[rows]
+        # each row's tiers best first, ties in column order (a stable sort of the negated values)
+        for r, row, order, at, now_worth, bytes_ in zip(
             rows.tolist(),
-            values[rows].tolist(),
+            worth.tolist(),
+            np.argsort(-worth, axis=1, kind="stable").tolist(),
             placed[rows].tolist(),
             current[rows].tolist(),
             size[rows].tolist(),
             strict=True,
         ):
-            for j in sorted(range(count), key=lambda c: (-row[c], c)):
+            for j in order:
                 if row[j] <= now_worth:
                     break
                 if bytes_ <= room[j]:
@@ -520,7 +536,7 @@ def _subset(chunks: _Table, keep: np.ndarray) -> _Table:
     rows = keep[chunks.row_session]
     position = np.cumsum(keep) - 1  # each kept session's place among them
     return _Table(
-        [session for session, kept in zip(chunks.sessions, keep.tolist(), strict=True) if kept],
+        list(compress(chunks.sessions, keep.tolist())),
         position[chunks.row_session[rows]],
         chunks.index[rows],
         chunks.rank[rows],
@@ -606,27 +622,29 @@ def _actions(
     move_rows = np.flatnonzero(moving & (placed >= 0))
     starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
     moves: list[tuple[int, Action]] = []
-    for r, s, i, to, rank in zip(
-        move_rows.tolist(),
-        row_session[move_rows].tolist(),
+    move_sessions = row_session[move_rows]
+    for at, s, i, to, rank in zip(
+        (move_rows - starts[move_sessions]).tolist(),  # each row's place in its session
+        move_sessions.tolist(),
         index[move_rows].tolist(),
         placed[move_rows].tolist(),
         table.rank[move_rows].tolist(),
         strict=True,
     ):
         session = sessions[s]
-        chunk, tier = session.stored_chunks()[r - int(starts[s])], table.tiers[to]
+        chunk, tier = session.stored_chunks()[at], table.tiers[to]
         form = chunk.form if forms is None else forms.choose(chunk, tier)
         moves.append((-int(rank), Move(session.session_id, i, tier, form)))
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
     changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
     stay = ~moving & np.repeat(changed, np.diff(starts))
     left: list[Action] = []
+    bounds = starts.tolist()
     for s, keep in enumerate(keeps):
         if not changed[s]:
             left.append(keep)
             continue
-        block = slice(int(starts[s]), int(starts[s + 1]))
+        block = slice(bounds[s], bounds[s + 1])
         staying = index[block][stay[block]].tolist()
         memo = chunk_keeps[s]
         for i in set(staying).difference(memo):

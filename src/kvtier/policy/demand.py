@@ -24,12 +24,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from kvtier.policy.view import PolicyView, SessionView
 from kvtier.policy.view_diff import Changes, diff
 
+_SIZE = attrgetter("size_bytes")
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
 SLICES = 32  # levels the demand curve is given at
 
 
@@ -63,11 +66,11 @@ class DemandForecast:
             turns = len(session.turns)
             on_device = before[2] if before is not None else 0
             if session.idle:
-                on_device = sum(c.size_bytes for c in session.chunks_in("device"))
+                on_device = sum(map(_SIZE, session.chunks_in("device")))
             # a session first seen idle arrived before this forecast started watching
             new = before is None and not session.idle
             if bpt and turns and (new or (before is not None and turns > before[1])):
-                context = sum(t.prompt_tokens for t in session.turns) * bpt
+                context = sum(map(_PROMPT_TOKENS, session.turns)) * bpt
                 self._add(session.turns[-1].arrival, max(0.0, context - on_device))
             seen[session.session_id] = (session, turns, on_device)
         self._expire(now)
@@ -128,6 +131,17 @@ def _poisson_above(mean: float, n: np.ndarray) -> np.ndarray:
     below 1e-9 (which also bounds the work)."""
     top = min(int(n.max()), int(mean + 10 * math.sqrt(mean) + 20))
     k = np.arange(top + 1)
-    log_pmf = k * math.log(max(mean, 1e-300)) - mean - np.array([math.lgamma(i + 1) for i in k])
+    log_pmf = k * math.log(max(mean, 1e-300)) - mean - _log_factorials(top)
     cdf = np.cumsum(np.exp(log_pmf))
     return np.where(n > top, 0.0, np.clip(1.0 - cdf[np.minimum(n, top)], 0.0, 1.0))
+
+
+_LOG_FACTORIALS: list[float] = []
+
+
+def _log_factorials(top: int) -> np.ndarray:
+    """log(k!) for k = 0 .. top, `math.lgamma(k + 1)` each, kept between calls (the demand
+    curve asks for them at every decision)."""
+    while len(_LOG_FACTORIALS) <= top:
+        _LOG_FACTORIALS.append(math.lgamma(len(_LOG_FACTORIALS) + 1))
+    return np.array(_LOG_FACTORIALS[: top + 1])

@@ -44,6 +44,7 @@ counts as no return.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -57,6 +58,7 @@ from kvtier.policy.view import SessionView
 
 Key = tuple[str, str]  # (tenant, app_class)
 _REUSE_KEY = attrgetter("reuse_key")
+_SESSION_ID = attrgetter("session_id")
 # pseudo-gaps the key's distribution is worth against a session's own gaps; inf: the key alone
 SESSION_WEIGHTS = (math.inf, 8.0, 2.0, 0.5)
 RHYTHM_SD = math.log(2.0) / 2  # a session's next gap: within a factor 2 of its last, 2 sd
@@ -128,6 +130,7 @@ class ReusePredictor:
         self.prior = prior or GapPrior()
         # bin 0 is [0, min_gap); the rest are log-spaced up to max_age
         self.edges = np.concatenate([[0.0], np.geomspace(min_gap_s, max_age_s, bins)])
+        self._edge_list = self.edges.tolist()
         self._prior_masses, self._prior_no_return = self.prior.masses(self.edges)
         self._pooled = _Histogram(bins)
         self._keys: OrderedDict[Key, _Histogram] = OrderedDict()
@@ -234,6 +237,16 @@ class ReusePredictor:
         `cdf[r]` (rows of `cdf_table`)."""
         return self._p_reuse_cdf(cdf, np.asarray(idle_s, float), np.asarray(horizon_s, float))
 
+    def p_reuse_rows(
+        self, table: np.ndarray, rows: np.ndarray, idle_s: np.ndarray, horizon_s: np.ndarray
+    ) -> np.ndarray:
+        """`p_reuse_cdf` of one idle time and horizon per session, session s under
+        distribution `table[rows[s]]`, reading only the entries it needs (a decision asks
+        this of every candidate: gathering their whole rows cost more than the answer)."""
+        return self._p_reuse_cdf(
+            table, np.asarray(idle_s, float), np.asarray(horizon_s, float), rows
+        )
+
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
         own gaps where `personal`."""
@@ -263,29 +276,34 @@ class ReusePredictor:
         own_counts: list[int] = []
         gaps = self._sessions
         if any(weight != math.inf for weight in weights):
-            for s, (session, k) in enumerate(zip(sessions, rows, strict=True)):
-                if weights[k] != math.inf:
-                    own = gaps.get(session.session_id)
-                    if own:
-                        own_at.append(s)
-                        own_ids.append(session.session_id)
-                        own_counts.append(len(own))
+            ids = list(map(_SESSION_ID, sessions))
+            for s, (own, k) in enumerate(zip(map(gaps.get, ids), rows, strict=True)):
+                if own and weights[k] != math.inf:
+                    own_at.append(s)
+                    own_ids.append(ids[s])
+                    own_counts.append(len(own))
         table = np.stack(cdfs)
         at = np.array(rows, dtype=np.int64)
         if own_at:
             key_rows = at[own_at]
             weight = np.array(weights)[key_rows][:, None]
-            mine = np.stack([self._mine(session_id) for session_id in own_ids])
+            mine = np.array(list(map(self._mine, own_ids)))  # C-level, unlike np.stack
             count = np.array(own_counts, dtype=float)[:, None]
             at[own_at] = len(table) + np.arange(len(own_at))
             blended = (mine + weight * table[key_rows]) / (count + weight)
             table = np.concatenate([table, blended])
         return table, at
 
-    def _p_reuse_cdf(self, cdf: np.ndarray, idle: np.ndarray, horizon: np.ndarray) -> np.ndarray:
-        start = self._cdf_many(cdf, idle)
+    def _p_reuse_cdf(
+        self,
+        cdf: np.ndarray,
+        idle: np.ndarray,
+        horizon: np.ndarray,
+        rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        start = self._cdf_many(cdf, idle, rows)
         alive = 1 - start
-        returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s)) - start
+        returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s), rows) - start
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
@@ -304,11 +322,12 @@ class ReusePredictor:
             spread = full[half:-half]
             spread[0] += full[:half].sum()
             spread[-1] += full[-half:].sum()
-            found = self._own[session_id] = np.concatenate([[0.0], np.cumsum(spread)])
+            found = self._own[session_id] = _from_zero(spread)
         return found
 
     def _bin(self, gap_s: float) -> int:
-        return int(np.searchsorted(self.edges, max(gap_s, 0.0), side="right")) - 1
+        # `searchsorted(edges, gap, side="right")` on a list: one call per returning turn
+        return bisect.bisect_right(self._edge_list, max(gap_s, 0.0)) - 1
 
     def _remember(self, session_id: str, bin_index: int) -> None:
         gaps = self._sessions.get(session_id)
@@ -348,8 +367,11 @@ class ReusePredictor:
             p = 1.0 - blended[0] if late else blended[1] - blended[0]
             histogram.scores[i] += math.log(max(p, 1e-12))
 
-    def _cdf_many(self, cdf: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """`_cdf` elementwise; `cdf` one distribution, or one per row of `x`."""
+    def _cdf_many(
+        self, cdf: np.ndarray, x: np.ndarray, rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`_cdf` elementwise; `cdf` one distribution, or one per row of `x`, or with `rows`
+        a table of them: element s of `x` (1-D) under `cdf[rows[s]]`."""
         edges = self.edges
         clipped = np.clip(x, 0.0, edges[-1])
         i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
@@ -359,6 +381,9 @@ class ReusePredictor:
                 hi / np.maximum(lo, 1e-300)
             )
         share = np.where(i == 0, clipped / hi, log_share)
+        if rows is not None:  # the same arithmetic on the entries `take_along_axis` would take
+            at, above = cdf[rows, i], cdf[rows, i + 1]
+            return np.where(x >= edges[-1], cdf[rows, -1], at + (above - at) * share)
         if cdf.ndim == 2:  # one row per session, one row of x each
             at, above = np.take_along_axis(cdf, i, 1), np.take_along_axis(cdf, i + 1, 1)
             return np.where(x >= edges[-1], cdf[:, -1:], at + (above - at) * share)
@@ -403,7 +428,7 @@ class ReusePredictor:
             total = histogram.total + weight
             masses = (histogram.counts + weight * base) / total
             no_return = (histogram.no_return + weight * base_none) / total
-            self._cache[key] = (np.concatenate([[0.0], np.cumsum(masses)]), no_return)
+            self._cache[key] = (_from_zero(masses), no_return)
         return self._cache[key]
 
     def _cdf(self, cdf: np.ndarray, x: float) -> float:
@@ -415,3 +440,12 @@ class ReusePredictor:
         lo, hi = edges[i], edges[i + 1]
         share = x / hi if i == 0 else math.log(x / lo) / math.log(hi / lo)
         return float(cdf[i] + (cdf[i + 1] - cdf[i]) * share)
+
+
+def _from_zero(masses: np.ndarray) -> np.ndarray:
+    """The cumulative sums of `masses` after a leading 0: `concatenate([[0], cumsum(masses)])`
+    with one array made (a distribution is rebuilt after every recorded gap)."""
+    out = np.empty(len(masses) + 1)
+    out[0] = 0.0
+    np.cumsum(masses, out=out[1:])
+    return out

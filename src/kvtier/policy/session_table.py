@@ -35,18 +35,18 @@ COLUMNS = 5  # index, tokens, token_start, bytes, tier rank
 Q_FLOOR = 1e-4
 
 
-_FIELDS = attrgetter("index", "token_start", "token_end", "size_bytes")
+_FIELDS = attrgetter("index", "token_end", "token_start", "size_bytes")
 _TIER = attrgetter("tier")
+_SESSION_ID = attrgetter("session_id")
 
 
 def chunk_columns(session: SessionView) -> np.ndarray:
     """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
     stored = session.stored_chunks()
     raw = np.fromiter(chain.from_iterable(map(_FIELDS, stored)), float, 4 * len(stored))
-    raw = raw.reshape(-1, 4)
     out = np.empty((len(stored), COLUMNS))
-    out[:, 0], out[:, 2], out[:, 3] = raw[:, 0], raw[:, 1], raw[:, 3]
-    out[:, 1] = raw[:, 2] - raw[:, 1]  # exact: token counts are far below 2**53
+    out[:, :4] = raw.reshape(-1, 4)  # index, token_end, token_start, bytes
+    out[:, 1] -= out[:, 2]  # tokens; exact: token counts are far below 2**53
     out[:, 4] = np.fromiter(map(TIER_RANK.__getitem__, map(_TIER, stored)), float, len(stored))
     return out
 
@@ -74,11 +74,11 @@ class Candidates:
 
     @property
     def ids(self) -> list[str]:
-        return [session.session_id for session in self.sessions]
+        return list(map(_SESSION_ID, self.sessions))
 
 
 def _pick(items: list, at: np.ndarray) -> tuple:
-    return tuple(items[i] for i in at.tolist())
+    return tuple(map(items.__getitem__, at.tolist()))
 
 
 class SessionTable:

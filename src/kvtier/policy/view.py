@@ -60,9 +60,10 @@ class SessionView:
     priority: int = 0
     ttl_s: float | None = None
 
-    @property
+    @cached_property
     def reuse_key(self) -> tuple[str, str]:
-        """What the reuse predictor learns gap statistics by."""
+        """What the reuse predictor learns gap statistics by (kept: the predictor asks it of
+        every candidate at every decision, and a view is reused until its session changes)."""
         return (self.tenant, self.app_class)
 
     @property

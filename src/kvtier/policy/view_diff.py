@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, is_not, itemgetter
 from typing import Any
 
 from kvtier.policy.view import SessionView
+
+_SESSION_ID = attrgetter("session_id")
+_FIRST = itemgetter(0)
+_UNSEEN = (None,)
 
 
 @dataclass(frozen=True)
@@ -24,21 +30,16 @@ class Changes:
 def diff(sessions: Sequence[SessionView], last: Mapping[str, tuple[Any, ...]]) -> Changes:
     """The changes from `last` (session id -> a record whose first item is the view it was
     seen with) to `sessions`."""
-    changed = []
-    known = 0  # sessions of the view seen before
-    for session in sessions:
-        before = last.get(session.session_id)
-        if before is None:
-            changed.append(session)
-        else:
-            known += 1
-            if before[0] is not session:
-                changed.append(session)
+    # C-level maps, no Python step per session (a view can hold ten thousand): a session
+    # not seen before gets `_UNSEEN`, whose view is None, so it counts as changed
+    ids = list(map(_SESSION_ID, sessions))
+    befores = list(map(last.get, ids, repeat(_UNSEEN)))
+    changed = tuple(compress(sessions, map(is_not, map(_FIRST, befores), sessions)))
     left: tuple[str, ...] = ()
-    if known != len(last):
-        present = {session.session_id for session in sessions}
+    if sum(map(is_not, befores, repeat(_UNSEEN))) != len(last):  # some seen before are gone
+        present = set(ids)
         left = tuple(sid for sid in last if sid not in present)
-    return Changes(tuple(changed), left)
+    return Changes(changed, left)
 
 
 class ViewDiff:
