@@ -21,9 +21,10 @@ rounded to bfloat16 to nearest even, any NaN as torch's vectorised cast writes i
 bit for bit what `quant.dequantize` returns (tests/compress/test_fused.py).
 
 Compiling takes about a second the first time in an environment; numba's cache (next to this
-file, or its per-user directory when that is not writable) makes later imports load it in a
-fraction of that. A connector whose tiers store INT4 imports this module on a background
-thread when it starts (`codecs.warm_up_fused`), so no restore waits for the compiler.
+file, or its per-user directory when that is not writable; none when neither is) makes later
+imports load it in a fraction of that. A connector whose tiers may store INT4 imports this
+module on a background thread when it binds (`ChunkForms.prepare`, `codecs.warm_up_fused`),
+so no restore waits for the compiler.
 """
 
 from __future__ import annotations
@@ -40,7 +41,21 @@ from kvtier.compress.quant import Quantized
 _NAN_BF16 = 0xFFFF
 
 
-@numba.njit("uint16(float32)", nogil=True, cache=True, inline="always")
+def _compiled(signature: str, **options):
+    """numba.njit with the on-disk cache, or without it where numba finds no writable
+    directory for one (a read-only install and no writable home): then each process
+    compiles the kernels anew, as the first one would."""
+
+    def compile_(func):
+        try:
+            return numba.njit(signature, nogil=True, cache=True, **options)(func)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return numba.njit(signature, nogil=True, **options)(func)
+
+    return compile_
+
+
+@_compiled("uint16(float32)", inline="always")
 def _bf16_bits(value):  # pragma: no cover - compiled
     bits = np.float32(value).view(np.uint32)
     if value != value:
@@ -48,11 +63,7 @@ def _bf16_bits(value):  # pragma: no cover - compiled
     return np.uint16((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16)
 
 
-@numba.njit(
-    "void(uint64[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint16[:,:,:,:,::1])",
-    nogil=True,
-    cache=True,
-)
+@_compiled("void(uint64[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint16[:,:,:,:,::1])")
 def _keys(words, step, minimum, out):  # pragma: no cover - compiled
     """words [n, heads, dim, groups, words_per_group] (16 codes each); step and minimum
     [n, heads, groups, dim]; out: the chunk [n, K|V, heads, tokens, dim], keys written."""
@@ -74,11 +85,7 @@ def _keys(words, step, minimum, out):  # pragma: no cover - compiled
                             row[d] = _bf16_bits(code * s[d] + m[d])
 
 
-@numba.njit(
-    "void(uint8[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint32[:,:,:,:,::1])",
-    nogil=True,
-    cache=True,
-)
+@_compiled("void(uint8[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint32[:,:,:,:,::1])")
 def _values(codes, step, minimum, out):  # pragma: no cover - compiled
     """codes [n, heads, tokens, groups, group_bytes]; step and minimum [n, heads, tokens,
     groups]; out: the chunk [n, K|V, heads, tokens, dim / 2] as pairs of bfloat16, values
