@@ -223,3 +223,18 @@ def test_attaching_tiers_to_a_packed_pool_engine_is_refused():
             attach_connector(engine, TiersConfig(forms={"disk": "int8"}))
     finally:
         engine.close()
+
+
+def test_the_int4_kernels_are_prepared_off_the_restore_path():
+    """A bfloat16 pool whose chunks may be stored INT4 compiles (or loads) the fused decode's
+    kernels on a background thread; other forms and dtypes start nothing."""
+    shape = torch.Size((30, 2, 3, 16, 64))
+    thread = ChunkForms(shape, torch.bfloat16).prepare({"full", "int4"})
+    assert thread is not None and thread.name == "kvtier-int4-kernels"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    import kvtier.compress.fused as fused
+
+    assert fused._keys.signatures and fused._values.signatures
+    assert ChunkForms(shape, torch.bfloat16).prepare({"full", "int8"}) is None
+    assert ChunkForms(shape, torch.float32).prepare({"int4"}) is None

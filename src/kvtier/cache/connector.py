@@ -112,6 +112,8 @@ class TieredConnector:
             self.tier_forms,
         )
         self.runner = PolicyRunner(self, self.policy, self.policy_config)
+        # the INT4 decode's kernels compile (or load) in the background before a restore needs them
+        self.chunk_forms.prepare({*self.tier_forms.values(), *self.runner.allowed_forms})
         spill = config.spill_on_evict
         spill_on_evict = (
             spill if spill is not None else self.runner.policy_name not in ("retain", "recompute")

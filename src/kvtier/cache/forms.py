@@ -13,14 +13,16 @@ least as precise as the payload's leaves it as it is.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
 
-from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec
+from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec, warm_up_fused
 from kvtier.tiers import Payload
 from kvtier.tiers.vocab import FORM_PRECISION as PRECISION
-from kvtier.tiers.vocab import FULL, lossiest
+from kvtier.tiers.vocab import FULL, INT4, lossiest
 
 __all__ = ["CODECS", "ChunkForms", "Restored", "lossiest"]
 
@@ -45,6 +47,14 @@ class ChunkForms:
         self.block_shape = torch.Size(block_shape)
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
+
+    def prepare(self, forms: Collection[str]) -> threading.Thread | None:
+        """Get ready to decode chunks stored in these forms: the INT4 kernels into bfloat16
+        (`compress/fused.py`) compile, or load from numba's cache, on the thread returned
+        (a second or less, once per process), not on the first restore's path."""
+        if INT4 in forms and self.dtype == torch.bfloat16:
+            return warm_up_fused()
+        return None
 
     def recode(self, payload: Payload, form: str) -> Payload:
         """`payload` in `form`, or unchanged when it is already at most as precise (or has no

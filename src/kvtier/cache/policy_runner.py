@@ -60,8 +60,12 @@ class PolicyRunner:
             else policy
         )
         self.cost_model = self.config.cost_model(connector.config.cost_profile)
+        # the stored forms the policy may choose on disk/remote (full precision only, unless
+        # an accuracy budget admits more)
+        self.allowed_forms: tuple[str, ...] = (FULL,)
         if self.config.max_accuracy_loss > 0:
             budget = self.config.form_budget()
+            self.allowed_forms = budget.allowed
             # a budget that allows nothing (no figures for the model) is worth a warning
             level = logging.WARNING if len(budget.allowed) == 1 else logging.INFO
             log.log(

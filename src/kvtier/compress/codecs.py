@@ -12,6 +12,7 @@ the leading (layers) axis: [blocks * layers, 2, kv_heads, block_size, head_dim].
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -42,6 +43,20 @@ class IntCodec:
         return torch.cat(flat)
 
     def decode(self, payload: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        keys, values = self.halves(payload, shape)
+        out = torch.empty(shape, dtype=dtype)
+        if self.bits == 4:
+            from kvtier.compress import fused  # numba: imported by the first INT4 decode only
+
+            if fused.fits(keys, values, out):
+                fused.decode_into(keys, values, out)
+                return out
+        dequantize_into(keys, out[:, 0])
+        dequantize_into(values, out[:, 1])
+        return out
+
+    def halves(self, payload: torch.Tensor, shape: torch.Size) -> tuple[Quantized, Quantized]:
+        """The keys' and the values' codes, minimums and steps: views of `payload`."""
         if payload.numel() != self.encoded_nbytes(shape):
             raise KvtierError(
                 f"{self.form} payload of {payload.numel()} bytes does not hold a block of "
@@ -49,18 +64,20 @@ class IntCodec:
             )
         layers, _, heads, tokens, dim = shape
         half = torch.Size((layers, heads, tokens, dim))
-        out = torch.empty(shape, dtype=dtype)
         offset = 0
-        for kv, (group, axis) in enumerate(self._groupings(shape)):
+        halves = []
+        for group, axis in self._groupings(shape):
             pieces = []
             for piece_dtype, piece_shape in self._layout(half, group, axis):
                 nbytes = math.prod(piece_shape) * torch.empty((), dtype=piece_dtype).element_size()
                 raw = payload[offset : offset + nbytes]
                 pieces.append(raw.view(piece_dtype).reshape(piece_shape))
                 offset += nbytes
-            q = Quantized(*pieces, bits=self.bits, dim=axis, length=half[axis], shape=half)
-            dequantize_into(q, out[:, kv])
-        return out
+            halves.append(
+                Quantized(*pieces, bits=self.bits, dim=axis, length=half[axis], shape=half)
+            )
+        keys, values = halves
+        return keys, values
 
     def encoded_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         """Bytes `encode` returns for a block (or folded blocks) of this shape."""
@@ -85,6 +102,19 @@ class IntCodec:
             (torch.float16, (*moved, groups, 1)),
             (torch.float16, (*moved, groups, 1)),
         ]
+
+
+def warm_up_fused() -> threading.Thread:
+    """Import `fused` (compiling the INT4 kernels, or loading them from numba's cache: about a
+    second, or a fraction of one) on a daemon thread, so a restore that decodes INT4 does not
+    wait for it: a connector whose tiers store INT4 calls this when it starts."""
+
+    def run() -> None:
+        from kvtier.compress import fused  # noqa: F401
+
+    thread = threading.Thread(target=run, name="kvtier-int4-kernels", daemon=True)
+    thread.start()
+    return thread
 
 
 class Int8Codec(IntCodec):

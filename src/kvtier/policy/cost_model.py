@@ -151,11 +151,12 @@ class CodecSpeed:
 
 # benchmarks/resume.py's codec timing (docs/cache.md "Forms"): one 256-token chunk of SmolLM2
 # KV (5,898,240 bytes of bf16) on this project's 2-vCPU VM, one torch thread, medians of 7:
-# encode 12.5 ms (int8) / 10.1 ms (int4), decode 8.9 / 5.6 ms.
+# encode 12.5 ms (int8) / 10.1 ms (int4), decode 8.9 / 2.1 ms (INT4's fused decode,
+# compress/fused.py: docs/tiers.md "The fused INT4 decode").
 _CHUNK = 5_898_240
 MEASURED_CPU_CODECS = {
     "int8": CodecSpeed(_CHUNK / 12.5e-3, _CHUNK / 8.9e-3),
-    "int4": CodecSpeed(_CHUNK / 10.1e-3, _CHUNK / 5.6e-3),
+    "int4": CodecSpeed(_CHUNK / 10.1e-3, _CHUNK / 2.1e-3),
 }
 # a fused codec kernel reaches about half of peak memory bandwidth (an assumption; no GPU here)
 CODEC_MEMORY_EFFICIENCY = 0.5
