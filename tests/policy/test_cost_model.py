@@ -70,30 +70,28 @@ def test_profile_from_geometry_matches_the_planner():
     assert model.recompute_s(8000, 0) == pytest.approx(planned, rel=1e-9)
 
 
-def test_holding_costs_only_the_floor_with_headroom_and_is_dear_when_full():
+def test_holding_with_headroom_is_free_and_is_dear_when_full():
     prices = Prices.from_dollars()
-    floor = prices.floor_s_per_gb_hour / (GB * 3600)
     assert prices.rent_s_per_gb_hour["device"] == pytest.approx(45.0)  # $2.5/h over 80 GB
     device = [prices.per_byte_second("device", u) for u in (0.0, 0.4, 0.5, 0.7, 0.9, 1.0)]
     # a device with room charges no rent: its scarcity is priced by demand (the auction)
-    assert device[0] == device[1] == device[2] == pytest.approx(floor)
-    assert device == sorted(device) and device[-1] < float("inf")
-    assert device[4] > 20 * device[0]
+    assert device[0] == device[1] == device[2] == 0
+    assert device == sorted(device) and 0 < device[3] < device[4] < device[-1] < float("inf")
     host = [prices.per_byte_second("host", u) for u in (0.0, 0.5, 0.95)]
-    assert host == sorted(host) and host[0] == host[1] < host[2]
+    assert host[0] == host[1] == 0 < host[2]
     model = CostModel(PROFILE, prices)
-    # an hour of 1 GB on the device at 90% costs rent x 0.4 / 0.1 seconds + the floor
+    # an hour of 1 GB on the device at 90% costs rent x 0.4 / 0.1 seconds
+    assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * 4.0)
+
+
+def test_a_configured_floor_is_charged_equally_in_every_tier_with_room():
+    prices = Prices.from_dollars(floor_dollars_per_gb_hour=0.008)  # host DRAM's own price
     floor = prices.floor_s_per_gb_hour
-    assert floor == pytest.approx(0.001 * prices.rent_s_per_gb_hour["host"])
+    assert floor == pytest.approx(prices.rent_s_per_gb_hour["host"])
+    with_room = {t: prices.per_byte_second(t, 0.0) for t in ("device", "host", "disk", "remote")}
+    assert all(v == pytest.approx(floor / (GB * 3600)) for v in with_room.values())
+    model = CostModel(PROFILE, prices)
     assert model.hold_cost(GB, "device", 3600, 0.9) == pytest.approx(45.0 * 4.0 + floor)
-
-
-def test_budgeted_tiers_with_room_cost_only_the_floor_which_is_equal_everywhere():
-    prices = Prices.from_dollars()
-    lower = {tier: prices.per_byte_second(tier, 0.0) for tier in ("host", "disk", "remote")}
-    assert len(set(lower.values())) == 1 and lower["host"] > 0
-    assert prices.per_byte_second("device", 0.0) == lower["host"]
-    assert Prices.from_dollars(floor_dollars_per_gb_hour=0).per_byte_second("disk", 0.0) == 0
 
 
 def test_bad_profiles_are_rejected():

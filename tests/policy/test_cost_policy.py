@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.policy.actions import Drop, Move
-from kvtier.policy.cost_model import CostModel, CostProfile
+from kvtier.policy.cost_model import CostModel, CostProfile, Prices
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
@@ -60,11 +60,26 @@ def test_long_session_is_kept_when_its_class_is_known_to_return(kv):
         v = kv.apply(v, actions)
 
 
-def test_short_session_that_never_returns_is_dropped(kv):
+def _never_returns() -> ReusePredictor:
     predictor = ReusePredictor()
     for _ in range(500):
         predictor.record_no_return(("default", "oneshot"))
-    policy = CostPolicy(kv.slow_model(), predictor)
+    return predictor
+
+
+def test_a_session_unlikely_to_return_keeps_a_tier_with_room_until_the_cut_off(kv):
+    # dropping from a tier with room buys no latency and, the space being paid for anyway, no
+    # money: a session of a class that almost never returns stays until the cut-off age
+    policy = CostPolicy(kv.slow_model(), _never_returns())
+    s = kv.session("b", 200, app_class="oneshot")
+    v = kv.view([s], CAPACITY, other_used={"device": 30 * GB})
+    assert not kv.changes(policy.decide(v, 60.0))
+    assert kv.dropped(policy.decide(v, policy.predictor.max_age_s + 1)) == [Drop("b", 0)]
+
+
+def test_short_session_that_never_returns_is_dropped_where_space_has_a_floor_price(kv):
+    prices = Prices.from_dollars(floor_dollars_per_gb_hour=0.000008)  # 0.1% of host DRAM
+    policy = CostPolicy(dataclasses.replace(kv.slow_model(), prices=prices), _never_returns())
     s = kv.session("b", 200, app_class="oneshot")
     v = kv.view([s], CAPACITY, other_used={"device": 30 * GB})
     assert kv.dropped(policy.decide(v, 60.0)) == [Drop("b", 0)]

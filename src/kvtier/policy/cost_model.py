@@ -27,8 +27,11 @@ idle KV from devices with room). Host, disk and remote space is bought as a budg
 has room holding KV there denies nobody anything (headroom 0.9 there: pricing their dollar
 rents or any contention sent long-idle sessions to NVMe while DRAM sat free, which cost latency
 and saved no money). `floor` is the least any byte costs anywhere, equal in
-every tier so it never picks between them: it is what frees KV nobody will use again from a
-tier with room (default: 0.1% of host DRAM's rent).
+every tier so it never picks between them (0 by default): a floor frees KV a session is
+unlikely to come back for from a tier with room, which buys no latency and, the space being
+paid for anyway, no money, while the predictor's cut-off age already drops what it counts as
+never returning (0.1% of host DRAM's rent dropped sessions idle 20-60 minutes from a device
+with hundreds of GB free, and the few that came back were recomputed: docs/policy.md).
 A chunk stored in a quantized form (int8 / int4, docs/tiers.md "Forms") moves and holds fewer
 bytes, and pays its codec: `decode_s` when it is restored (on the restore's path, so TTFT) and
 `encode_s` when it is demoted (on the mover's worker, so worker time, not TTFT). Codec speeds
@@ -79,7 +82,8 @@ DEFAULT_HEADROOM = {"device": 0.5, "host": 0.9, "disk": 0.9, "remote": 0.9}
 # anything; the device's coming arrivals bid for it in the cost policy's auction (demand.py),
 # and the predictor's cut-off age still drops what never returns.
 DEFAULT_BASE_SHARE = {"device": 0.0, "host": 0.0, "disk": 0.0, "remote": 0.0}
-DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR = 0.001 * DEFAULT_DOLLARS_PER_GB_HOUR["host"]
+# The least a GB-hour costs in any tier with room: none (see the module docstring).
+DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR = 0.0
 
 
 def _bandwidth(key: str) -> float:
