@@ -2,18 +2,16 @@
 
 Per layer: the step's new K/V are written into their pool slots, then each query attends to
 its sequence's blocks. All decodes (one query each) go through ONE padded SDPA call with a
-length mask (none when they all see as many keys), on CPU with the query heads unfolded
-over their shared KV heads (`_decode`). A prefill chunk on CPU is two flash-attention calls
-merged by their log-sum-exp: its queries against the keys of earlier chunks (all visible:
-no mask at all) and against its own keys (a square, so plain `is_causal` skips the future
-half); see `_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the
-chunk is split along the query axis with additive causal masks, so that query rows never
-multiply against keys that lie in their future (a causal mask alone still pays for those
-products).
+length mask. A prefill chunk on CPU is two flash-attention calls merged by their
+log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
+and against its own keys (a square, so plain `is_causal` skips the future half); see
+`_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
+split along the query axis with additive causal masks, so that query rows never multiply
+against keys that lie in their future (a causal mask alone still pays for those products).
 
-Elsewhere grouped-query attention is folded rather than repeated: the query heads sharing a
-KV head are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read
-once per KV head instead of being copied `group` times.
+Grouped-query attention is folded rather than repeated: the query heads sharing a KV head
+are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read once per
+KV head instead of being copied `group` times.
 """
 
 from __future__ import annotations
@@ -69,11 +67,7 @@ class AttentionMetadata:
     decode_request_ids: list[str] = field(default_factory=list)
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded
     decode_context_lens: torch.Tensor | None = None  # [B]
-    decode_key_len: int = 0  # the longest of them
-    # [B, 1, 1, max_blocks * bs] additive; None when every decode sees `decode_key_len` keys
-    # (then the gathered keys are cut to that length instead: the CPU flash kernel reads an
-    # additive mask per key, and skips no work for it).
-    decode_mask: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * bs] additive
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -98,20 +92,15 @@ class PagedAttention:
         """Whether prefill chunks take `_prefill_split` (then the runner builds no masks).
 
         It needs the CPU flash kernel's log-sum-exp output, and observers are handed the
-        whole span's keys, which this path never gathers. In bf16 the kernel hands back each
-        partial output rounded to bf16 before the merge; measured against transformers in
-        float32 on two 1,500-token prompts that costs nothing visible next to bf16's own
-        error (mean |logit diff| 0.104 / 0.107 split, 0.098 / 0.110 masked; top-1
-        agreement 90.0% / 92.7% split, 89.3% / 91.7% masked; docs/engine.md)."""
-        return self.pool.device.type == "cpu" and not self.observers
-
-    @property
-    def unfolds_decodes(self) -> bool:
-        """Whether decodes take `_decode` (query heads unfolded) rather than `_attend`.
-
-        CPU only: the reason is how the CPU flash kernel shares out its work. An observer
-        asking for weights gets them from `_attend`'s explicit softmax."""
-        return self.pool.device.type == "cpu" and not self.needs_weights
+        whole span's keys, which this path never gathers. Float32 only: in bf16 the kernel
+        returns each partial output rounded to bf16 before the merge, and that second
+        rounding tripled the logit error against transformers on a 1,500-token prompt (mean
+        |diff| 0.092 instead of 0.027, top-1 agreement 94.5% instead of 97.5%)."""
+        return (
+            self.pool.device.type == "cpu"
+            and self.pool.dtype == torch.float32
+            and not self.observers
+        )
 
     def __call__(
         self,
@@ -127,14 +116,16 @@ class PagedAttention:
         nd = meta.num_decodes
         if nd:
             key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)
-            if meta.decode_mask is None:
-                key = key[:, :, : meta.decode_key_len]
-                value = value[:, :, : meta.decode_key_len]
-            args = (layer, meta.decode_request_ids, q[:nd].unsqueeze(1), key, value)
-            if self.unfolds_decodes:
-                o = self._decode(*args, meta.decode_mask, meta.decode_context_lens)
-            else:
-                o = self._attend(*args, meta.decode_mask, meta.decode_context_lens)
+            q_dec = q[:nd].unsqueeze(1)
+            o = self._attend(
+                layer,
+                meta.decode_request_ids,
+                q_dec,
+                key,
+                value,
+                meta.decode_mask,
+                meta.decode_context_lens,
+            )
             out[:nd] = o[:, 0]
         for span in meta.prefills:
             if not span.chunks:
@@ -197,49 +188,6 @@ class PagedAttention:
             out = merged.to(q.dtype)
         return out[0].transpose(0, 1)
 
-    def _decode(
-        self,
-        layer: int,
-        request_ids: list[str],
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: torch.Tensor | None,
-        key_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """One query per sequence, q [B, 1, heads, D] -> [B, 1, heads, D], GQA unfolded.
-
-        The CPU flash kernel shares its work out by (batch, head, query block) only. Folded,
-        one sequence is `kv_heads` items of `group` query rows (SmolLM2: 3 items for 2
-        threads, so one thread does two); unfolded with `enable_gqa` (the kernel indexes the
-        shared KV head, nothing is repeated) it is `heads` single-row items (9: 5 and 4).
-        """
-        unfolded = q.transpose(1, 2)
-        o = F.scaled_dot_product_attention(unfolded, key, value, attn_mask=mask, enable_gqa=True)
-        self._notify(layer, request_ids, unfolded, key, None, key_lens)
-        return o.transpose(1, 2)
-
-    def _notify(
-        self,
-        layer: int,
-        request_ids: list[str],
-        q: torch.Tensor,
-        key: torch.Tensor,
-        weights: torch.Tensor | None,
-        key_lens: torch.Tensor,
-    ) -> None:
-        """Hand the observers q [B, heads, L, D], the keys and, to those that asked, the
-        weights [B, heads, L, keys]."""
-        for observer in self.observers:
-            observer.observe(
-                layer,
-                request_ids,
-                q,
-                key,
-                weights if observer.needs_weights else None,
-                key_lens,
-            )
-
     def _attend(
         self,
         layer: int,
@@ -247,11 +195,10 @@ class PagedAttention:
         q: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor,
         key_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """q [B, L, heads, D]; key/value [B, kv_heads, T, D]; mask folded (None: every key
-        visible) -> [B, L, heads, D]."""
+        """q [B, L, heads, D]; key/value [B, kv_heads, T, D]; mask folded -> [B, L, heads, D]."""
         b, length = q.shape[:2]
         # [B, L, kv_heads, group, D] -> [B, kv_heads, group * L, D]: head h = kv * group + g.
         qf = q.view(b, length, self.num_kv_heads, self.group, self.head_dim)
@@ -259,13 +206,22 @@ class PagedAttention:
         weights = None
         if self.needs_weights:
             scores = (qf.float() @ key.float().transpose(-1, -2)) * self.scale
-            weights = (scores if mask is None else scores + mask).softmax(-1)
+            weights = (scores + mask).softmax(-1)
             o = weights.to(value.dtype) @ value
         else:
             o = F.scaled_dot_product_attention(qf, key, value, attn_mask=mask)
         if self.observers:
+            unfolded_q = q.permute(0, 2, 1, 3)
             unfolded_w = None if weights is None else weights.reshape(b, self.num_heads, length, -1)
-            self._notify(layer, request_ids, q.permute(0, 2, 1, 3), key, unfolded_w, key_lens)
+            for observer in self.observers:
+                observer.observe(
+                    layer,
+                    request_ids,
+                    unfolded_q,
+                    key,
+                    unfolded_w if observer.needs_weights else None,
+                    key_lens,
+                )
         o = o.view(b, self.num_kv_heads, self.group, length, self.head_dim)
         return o.permute(0, 3, 1, 2, 4).reshape(b, length, self.num_heads, self.head_dim)
 

@@ -124,20 +124,17 @@ class ModelRunner:
         tables: list[list[int]],
         context_lens: torch.Tensor,
     ) -> None:
-        """One padded block table and length mask for all single-token sequences (no mask
-        when they all see the same number of keys, e.g. a single decode)."""
+        """One padded block table and length mask for all single-token sequences."""
         max_blocks = max(len(t) for t in tables)
         padded = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, table in enumerate(tables):
             padded[i, : len(table)] = torch.tensor(table)
+        visible = torch.arange(max_blocks * self.block_size)[None, :] < context_lens[:, None]
         meta.num_decodes = len(decodes)
         meta.decode_request_ids = [r.request_id for r in decodes]
         meta.decode_block_tables = padded.to(self.device)
         meta.decode_context_lens = context_lens.to(self.device)
-        meta.decode_key_len = int(context_lens.max())
-        if bool((context_lens != meta.decode_key_len).any()):
-            visible = torch.arange(max_blocks * self.block_size)[None, :] < context_lens[:, None]
-            meta.decode_mask = self._additive(visible)[:, None, None, :]
+        meta.decode_mask = self._additive(visible)[:, None, None, :]
 
     def _prefill_span(
         self, request: Request, table: torch.Tensor, row: int, start: int, n: int
