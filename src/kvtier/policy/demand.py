@@ -136,12 +136,19 @@ def _poisson_above(mean: float, n: np.ndarray) -> np.ndarray:
     return np.where(n > top, 0.0, np.clip(1.0 - cdf[np.minimum(n, top)], 0.0, 1.0))
 
 
-_LOG_FACTORIALS: list[float] = []
+# log(k!) for k = 0, 1, ...: replaced whole, never grown in place, so two policies deciding
+# on two threads can at worst both rebuild it (appending to a shared list could interleave
+# and shift every later entry)
+_LOG_FACTORIALS = np.zeros(1)
 
 
 def _log_factorials(top: int) -> np.ndarray:
     """log(k!) for k = 0 .. top, `math.lgamma(k + 1)` each, kept between calls (the demand
     curve asks for them at every decision)."""
-    while len(_LOG_FACTORIALS) <= top:
-        _LOG_FACTORIALS.append(math.lgamma(len(_LOG_FACTORIALS) + 1))
-    return np.array(_LOG_FACTORIALS[: top + 1])
+    global _LOG_FACTORIALS
+    known = _LOG_FACTORIALS
+    if len(known) <= top:
+        size = max(top + 1, 2 * len(known))
+        known = np.array([math.lgamma(k + 1) for k in range(size)])
+        _LOG_FACTORIALS = known
+    return known[: top + 1]
