@@ -69,6 +69,7 @@ from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
+from kvtier.policy.induction import induction
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
@@ -256,36 +257,28 @@ class CostPolicy(RetentionPolicy):
     ) -> tuple[np.ndarray, np.ndarray]:
         """(values, what a return saves) of every chunk of `chunks` (whose `values` still
         hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
-        of the module docstring; tier-major arrays, so each stage is a few passes over
-        contiguous rows."""
+        of the module docstring, in the compiled kernel of `induction` (each chunk walked
+        once, its session's schedule read in place); tier-major arrays."""
         row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
         tokens, start = chunks.values[:, 0], chunks.values[:, 1]
         weight = chunks.weight[row_session]
         # tiers x chunks: what a return saves, and what holding costs per second (the cost
         # model's formulas are plain arithmetic, so they take whole columns at once)
         recompute = self.model.chunk_recompute_s(tokens, start)
-        tier_rank = np.array([TIER_RANK[t] for t in tiers])
+        tier_rank = np.array([TIER_RANK[t] for t in tiers], dtype=np.int64)
         gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
-        rent = prices[:, None] * size[None, :]
-        # [K, chunks], each stage contiguous (rows are in session order: a repeat, not a gather)
-        per_session = np.bincount(row_session, minlength=len(q))
-        q, d = np.repeat(q.T, per_session, axis=1), np.repeat(d.T, per_session, axis=1)
-        count = len(tiers)
-        later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
-        # qk * gain - rent * dk + (1 - qk) * later, in place (two buffers swap roles)
-        stage, term = np.empty_like(gain), np.empty_like(gain)
-        for k in range(q.shape[0] - 1, 0, -1):  # past a session's grid q = d = 0: no change
-            qk, dk = q[k], d[k]
-            np.multiply(qk, gain, out=stage)
-            np.subtract(stage, np.multiply(rent, dk, out=term), out=stage)
-            np.add(stage, np.multiply(1 - qk, later, out=term), out=stage)
-            np.maximum(stage, 0.0, out=stage)
-            for j in range(count - 2, -1, -1):  # the best of this tier and any below it
-                np.maximum(stage[j], stage[j + 1], out=stage[j])
-            later, stage = stage, later
-        q0, d0 = q[0], d[0]
-        values = q0 * gain - rent * d0 + (1 - q0) * later
-        values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
+        values = np.empty_like(gain)
+        induction(
+            gain,
+            np.ascontiguousarray(size, dtype=float),
+            np.ascontiguousarray(prices, dtype=float),
+            np.ascontiguousarray(q, dtype=float),
+            np.ascontiguousarray(d, dtype=float),
+            np.ascontiguousarray(row_session, dtype=np.int64),
+            rank.astype(np.int64),
+            tier_rank,
+            values,
+        )
         return values.T, gain.T
 
     def _schedules(

@@ -1,0 +1,86 @@
+"""The cost policy's backward induction over every chunk and tier, compiled.
+
+`CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
+stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
+each stage is several passes over [tiers, chunks] arrays, with every session's schedule first
+repeated out to its chunks; this kernel (numba: LLVM, no C compiler) takes one session's
+chunks (contiguous rows) at a time, its schedule as scalars, in loops over those chunks that
+LLVM vectorises, and does per element the same IEEE operations in the same order (no
+fast-math, so no reassociation or fused multiply-add): the values are bit for bit those of the
+numpy passes (tests/policy/test_induction.py checks it on a decision's inputs).
+
+It is compiled when this module is first imported, from numba's on-disk cache after the first
+time in an environment (next to this file, or numba's per-user directory when that is not
+writable), so no decision waits for the compiler.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+def _compiled(signature: str):
+    """numba.njit with the on-disk cache, or without it where numba finds no writable
+    directory for one (then each process compiles the kernel anew, as the first one did)."""
+
+    def compile_(func):
+        try:
+            return numba.njit(signature, nogil=True, cache=True)(func)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return numba.njit(signature, nogil=True)(func)
+
+    return compile_
+
+
+@_compiled(
+    "void(float64[:,::1], float64[::1], float64[::1], float64[:,::1], float64[:,::1],"
+    " int64[::1], int64[::1], int64[::1], float64[:,::1])"
+)
+def induction(gain, size, prices, q, d, row_session, rank, tier_rank, out):  # pragma: no cover
+    """out[j, c]: chunk c's value held in tier column j (-inf where j is faster than the
+    chunk's tier `rank[c]`; `tier_rank[j]` is column j's rank). gain [tiers, chunks]: what a
+    return saves; rent per second is prices[j] * size[c]; chunk c's schedule is row
+    `row_session[c]` of q, d [sessions, stages] (zero past its grid); rows are in session
+    order, each session's contiguous.
+
+        V_K = 0,  V_k(j) = max(0, max over j' >= j of
+                               q_k gain[j'] - rent[j'] d_k + (1 - q_k) V_k+1(j'))
+        out[j] = q_0 gain[j] - rent[j] d_0 + (1 - q_0) V_1(j)
+
+    Each max is numpy's `maximum` (NaN wins, the first of equals)."""
+    count, n = gain.shape
+    stages = q.shape[1]
+    later = np.zeros((count, n))
+    stage = np.empty((count, n))
+    first = 0
+    while first < n:  # one session's rows at a time (they are contiguous): its schedule is
+        s = row_session[first]  # scalars there and each inner loop runs over its chunks
+        end = first + 1
+        while end < n and row_session[end] == s:
+            end += 1
+        for k in range(stages - 1, 0, -1):
+            qk = q[s, k]
+            dk = d[s, k]
+            for j in range(count):
+                price = prices[j]
+                for c in range(first, end):
+                    v = qk * gain[j, c] - price * size[c] * dk + (1 - qk) * later[j, c]
+                    stage[j, c] = v if (v >= 0.0 or v != v) else 0.0
+            for j in range(count - 2, -1, -1):
+                for c in range(first, end):
+                    a = stage[j, c]
+                    b = stage[j + 1, c]
+                    later[j, c] = a if (a >= b or a != a) else b
+            for c in range(first, end):
+                later[count - 1, c] = stage[count - 1, c]
+        q0 = q[s, 0]
+        d0 = d[s, 0]
+        for j in range(count):
+            price = prices[j]
+            for c in range(first, end):
+                if tier_rank[j] < rank[c]:
+                    out[j, c] = -np.inf  # no promotions
+                else:
+                    out[j, c] = q0 * gain[j, c] - price * size[c] * d0 + (1 - q0) * later[j, c]
+        first = end

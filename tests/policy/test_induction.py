@@ -1,0 +1,75 @@
+"""The compiled backward induction gives bit for bit the values of the straightforward numpy
+passes over a real decision's inputs (the table, schedules and prices the policy builds)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from kvtier.policy.cost_policy import CostPolicy, _chunk_table
+from kvtier.policy.view import TIER_RANK
+from kvtier.policy.view_diff import ViewDiff
+
+GB = 10**9
+
+
+def _reference(policy, chunks, q, d, prices, tiers):
+    """The induction as plain numpy passes over [tiers, chunks], each session's schedule
+    repeated out to its chunks."""
+    tokens, start = chunks.values[:, 0], chunks.values[:, 1]
+    weight = chunks.weight[chunks.row_session]
+    recompute = policy.model.chunk_recompute_s(tokens, start)
+    gain = np.stack([weight * (recompute - policy.model.load_s(chunks.size, t)) for t in tiers])
+    rent = prices[:, None] * chunks.size[None, :]
+    q, d = q[chunks.row_session].T, d[chunks.row_session].T
+    later = np.zeros_like(gain)
+    for k in range(q.shape[0] - 1, 0, -1):
+        stage = np.maximum(q[k] * gain - rent * d[k] + (1 - q[k]) * later, 0.0)
+        for j in range(len(tiers) - 2, -1, -1):
+            stage[j] = np.maximum(stage[j], stage[j + 1])
+        later = stage
+    values = q[0] * gain - rent * d[0] + (1 - q[0]) * later
+    tier_rank = np.array([TIER_RANK[t] for t in tiers])
+    values[tier_rank[:, None] < chunks.rank[None, :]] = -np.inf
+    return values.T, gain.T
+
+
+def _decision_inputs(kv, policy, rng, now, occupied):
+    """A view of sessions in every tier at idle ages from a second to past the cut-off, and
+    the chunks, schedules and prices the policy prices them with."""
+    sessions = []
+    for i in range(40):
+        tier = rng.choice(["device", "device", "host", "disk"])
+        idle_since = now - rng.choice([0.5, 3.0, 40.0, 700.0, 5000.0]) * rng.random()
+        extra = {"priority": rng.choice([-1, 0, 0, 1])}
+        tokens = 256 * rng.randint(1, 30) + rng.randint(0, 255)
+        sessions.append(kv.session(f"s{i:02d}", tokens, tier=tier, idle_since=idle_since, **extra))
+    capacity = {"device": 40 * GB, "host": 60 * GB, "disk": 1000 * GB}
+    v = kv.view(sessions, capacity, other_used={"device": int(occupied * 40 * GB)})
+    found = policy._state.sync(v, ViewDiff().update(v.sessions), now)
+    columns = policy._state.columns(found)
+    chunks = _chunk_table(found.sessions, found.row_session, columns, found.weight)
+    q, d = policy._schedules(found.sessions, found.idle_s)
+    movable = policy._movable(v, chunks)
+    prices = policy._prices(v.tier_names, policy._fixed_occupancy(v, movable))
+    return chunks, q, d, prices, v.tier_names
+
+
+def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
+    rng = random.Random(3)
+    for trial in range(12):
+        policy = CostPolicy(kv.slow_model())
+        # returns the predictor learnt from: the schedules differ per class and age
+        for _ in range(trial * 20):
+            policy.predictor.record_gap(kv.session("k", 256).reuse_key, rng.expovariate(1 / 30.0))
+        now = 6000.0 + trial
+        inputs = _decision_inputs(kv, policy, rng, now, occupied=rng.choice([0.0, 0.5, 0.97]))
+        chunks, q, d, prices, tiers = inputs
+        assert len(chunks.size) > 100 and (q > 0).any() and (d == 0).any()
+        values, gain = policy._induction(chunks, q, d, prices, tiers)
+        want_values, want_gain = _reference(policy, chunks, q, d, prices, tiers)
+        assert np.array_equal(gain, want_gain)
+        # the same bits: equal values, -inf where a tier is faster than the chunk's
+        assert values.tobytes() == np.ascontiguousarray(want_values).tobytes()
+        assert np.isinf(values).any() and (values > 0).any()
