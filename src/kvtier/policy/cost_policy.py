@@ -69,7 +69,7 @@ from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
-from kvtier.policy.induction import induction
+from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
@@ -190,7 +190,9 @@ class CostPolicy(RetentionPolicy):
         tiers = view.tier_names
         q, d = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
-        values, _ = self._induction(chunks, q, d, prices, tiers)
+        n = len(chunks.size)
+        values, gain = np.empty((n, len(tiers))), np.empty((n, len(tiers)))
+        self._induction(chunks, q, d, prices, tiers, np.arange(n), values, gain)
         return {
             index: {t: float(v) for t, v in zip(tiers, row, strict=True) if v > -np.inf}
             for index, row in zip(chunks.index.tolist(), values, strict=True)
@@ -227,14 +229,12 @@ class CostPolicy(RetentionPolicy):
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        if stale.all():  # every session moved: a fresh table, no round trip through the pool
-            values, gain = self._induction(chunks, q, d, prices, tiers)
-            state.store(candidates, stale, q, d, prices, values, gain)
-        else:
-            fresh = _subset(chunks, stale)
-            fresh_values, fresh_gain = self._induction(fresh, q[stale], d[stale], prices, tiers)
-            state.store(candidates, stale, q, d, prices, fresh_values, fresh_gain)
-            values, gain = state.values(candidates)
+        fresh = chunks if stale.all() else _subset(chunks, stale)
+        # the induction writes the stale sessions' values into the table, which hands back
+        # every candidate's (a reused session's as it was priced)
+        rows, pool_values, pool_gain = state.store(candidates, stale, q, d, prices)
+        self._induction(fresh, q[stale], d[stale], prices, tiers, rows, pool_values, pool_gain)
+        values, gain = state.values(candidates)
         # the next interval is priced at the exact idle age every decision: the device auction
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
         soon = q_now[chunks.row_session, None] * gain
@@ -254,32 +254,35 @@ class CostPolicy(RetentionPolicy):
         d: np.ndarray,
         prices: np.ndarray,
         tiers: Sequence[str],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, what a return saves) of every chunk of `chunks` (whose `values` still
-        hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
-        of the module docstring, in the compiled kernel of `induction` (each chunk walked
-        once, its session's schedule read in place); tier-major arrays."""
+        at: np.ndarray,
+        values: np.ndarray,
+        gain: np.ndarray,
+    ) -> None:
+        """Write rows `at` of `values` and `gain` ([rows, tiers]): the values and what a
+        return saves of each chunk of `chunks` (whose `values` still hold tokens and start),
+        its sessions' schedules `q`, `d`, by the backward induction of the module docstring,
+        in the compiled kernel of `induction` (one session's chunks at a time, its schedule
+        read in place)."""
         row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
         tokens, start = chunks.values[:, 0], chunks.values[:, 1]
         weight = chunks.weight[row_session]
-        # tiers x chunks: what a return saves, and what holding costs per second (the cost
-        # model's formulas are plain arithmetic, so they take whole columns at once)
+        # tiers x chunks: what a return saves (the cost model's formulas are plain
+        # arithmetic, so they take whole columns at once)
         recompute = self.model.chunk_recompute_s(tokens, start)
-        tier_rank = np.array([TIER_RANK[t] for t in tiers], dtype=np.int64)
-        gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
-        values = np.empty_like(gain)
+        saves = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
         induction(
-            gain,
+            saves,
             np.ascontiguousarray(size, dtype=float),
             np.ascontiguousarray(prices, dtype=float),
             np.ascontiguousarray(q, dtype=float),
             np.ascontiguousarray(d, dtype=float),
             np.ascontiguousarray(row_session, dtype=np.int64),
             rank.astype(np.int64),
-            tier_rank,
+            np.array([TIER_RANK[t] for t in tiers], dtype=np.int64),
+            np.ascontiguousarray(at, dtype=np.int64),
             values,
+            gain,
         )
-        return values.T, gain.T
 
     def _schedules(
         self, sessions: Sequence[SessionView], idle: np.ndarray
@@ -419,7 +422,7 @@ class CostPolicy(RetentionPolicy):
             here = columns[j] >= top_from[j + 1]
             best_from[j] = np.where(here, j, best_from[j + 1])
             top_from[j] = np.where(here, columns[j], top_from[j + 1])
-        placed = np.full(n, -1)  # column of the tier each chunk gets; -1: dropped
+        placed = np.full(n, -1, dtype=np.int64)  # column of the tier each chunk gets; -1: dropped
         pending = np.ones(n, dtype=bool)
         for j, tier in enumerate(tiers):
             wants = pending & (best_from[j] == j) & (columns[j] > 0)
@@ -466,41 +469,10 @@ class CostPolicy(RetentionPolicy):
             pending[chosen] = False
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
-        current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
-        # a row with any tier worth more than where it is: its best tier is (no NaN here);
-        # the max over the tier-major columns is elementwise, the [rows, tiers] matrix of
-        # comparisons is made for those rows only
-        hopeful = np.flatnonzero(np.maximum.reduce(columns) > current)
-        better = values[hopeful] > current[hopeful, None]
-        # the most room a tier can have during this pass: what is left now plus everything
-        # that might move up out of it; a chunk too large for all its better tiers even then
-        # is skipped without changing the outcome
-        movers = hopeful[placed[hopeful] >= 0]
-        leaving = np.bincount(placed[movers], size[movers], count)
-        most = np.array([available[t] for t in tiers]) + leaving
-        fits = (better & (size[hopeful, None] <= most[None, :])).any(axis=1)
-        rows = hopeful[fits]
-        room = [available[t] for t in tiers]
-        worth = values[rows]
-        # each row's tiers best first, ties in column order (a stable sort of the negated values)
-        for r, row, order, at, now_worth, bytes_ in zip(
-            rows.tolist(),
-            worth.tolist(),
-            np.argsort(-worth, axis=1, kind="stable").tolist(),
-            placed[rows].tolist(),
-            current[rows].tolist(),
-            size[rows].tolist(),
-            strict=True,
-        ):
-            for j in order:
-                if row[j] <= now_worth:
-                    break
-                if bytes_ <= room[j]:
-                    room[j] -= bytes_
-                    if at >= 0:
-                        room[at] += bytes_
-                    placed[r] = at = j
-                    break
+        # (compiled: a walk over the chunks in order, each taking the room the ones before it
+        # left)
+        room = np.array([float(available[t]) for t in tiers])
+        upgrade(np.ascontiguousarray(values), np.ascontiguousarray(size, dtype=float), room, placed)
         return placed
 
 

@@ -264,7 +264,7 @@ class SessionTable:
 
     def columns(self, candidates: Candidates) -> np.ndarray:
         """The candidates' chunk columns, one row per chunk (see `COLUMNS`)."""
-        return self._cols[candidates.rows]
+        return self._cols.take(candidates.rows, 0)
 
     def stale(
         self, candidates: Candidates, q: np.ndarray, d: np.ndarray, prices: np.ndarray
@@ -301,21 +301,21 @@ class SessionTable:
         q: np.ndarray,
         d: np.ndarray,
         prices: np.ndarray,
-        values: np.ndarray,
-        gain: np.ndarray,
-    ) -> None:
-        """Remember the values the `stale` candidates were just priced at (rows of their
-        chunks in order) and what they were priced at."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Remember what the `stale` candidates are being priced at; returns (the pool rows
+        of their chunks in order, the values pool, the pool of what a return saves), both
+        [rows, tiers], for the pricing to write their values into."""
         slots = candidates.slots[stale]
-        rows = candidates.rows[stale[candidates.row_session]]
-        self._values[rows], self._gain[rows] = values, gain
         self._q[slots], self._d[slots] = q[stale], d[stale]
         self._prices[slots] = prices
         self._priced[slots] = True
+        rows = candidates.rows[stale[candidates.row_session]]
+        return rows, self._values, self._gain
 
     def values(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
         """(values, what a return saves) of the candidates' chunks, [chunks, tiers]."""
-        return self._values[candidates.rows], self._gain[candidates.rows]
+        # `take` copies whole rows: several times faster than fancy indexing here
+        return self._values.take(candidates.rows, 0), self._gain.take(candidates.rows, 0)
 
     def priced(self, session_id: str) -> np.ndarray | None:
         """The values a session's chunks were last priced at, [chunks, tiers] in chunk order;

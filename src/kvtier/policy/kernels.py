@@ -1,4 +1,5 @@
-"""The cost policy's backward induction over every chunk and tier, compiled.
+"""The cost policy's passes over every candidate chunk, compiled: the backward induction and
+the allocation's last pass.
 
 `CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
 stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
@@ -7,9 +8,14 @@ repeated out to its chunks; this kernel (numba: LLVM, no C compiler) takes one s
 chunks (contiguous rows) at a time, its schedule as scalars, in loops over those chunks that
 LLVM vectorises, and does per element the same IEEE operations in the same order (no
 fast-math, so no reassociation or fused multiply-add): the values are bit for bit those of the
-numpy passes (tests/policy/test_induction.py checks it on a decision's inputs).
+numpy passes (tests/policy/test_kernels.py checks it on a decision's inputs).
 
-It is compiled when this module is first imported, from numba's on-disk cache after the first
+The allocation's last pass (`upgrade`) walks the chunks one by one, each taking the best tier
+that still has room for it: sequential by nature, it was a Python loop over every chunk that
+had a better tier than where the auction put it. Here it is the same comparisons and the same
+sums of whole byte counts (exact in float64), so the same placement.
+
+They are compiled when this module is first imported, from numba's on-disk cache after the first
 time in an environment (next to this file, or numba's per-user directory when that is not
 writable), so no decision waits for the compiler.
 """
@@ -35,12 +41,15 @@ def _compiled(signature: str):
 
 @_compiled(
     "void(float64[:,::1], float64[::1], float64[::1], float64[:,::1], float64[:,::1],"
-    " int64[::1], int64[::1], int64[::1], float64[:,::1])"
+    " int64[::1], int64[::1], int64[::1], int64[::1], float64[:,::1], float64[:,::1])"
 )
-def induction(gain, size, prices, q, d, row_session, rank, tier_rank, out):  # pragma: no cover
-    """out[j, c]: chunk c's value held in tier column j (-inf where j is faster than the
-    chunk's tier `rank[c]`; `tier_rank[j]` is column j's rank). gain [tiers, chunks]: what a
-    return saves; rent per second is prices[j] * size[c]; chunk c's schedule is row
+def induction(  # pragma: no cover - compiled
+    gain, size, prices, q, d, row_session, rank, tier_rank, at, values, saves
+):
+    """values[at[c], j]: chunk c's value held in tier column j (-inf where j is faster than
+    the chunk's tier `rank[c]`; `tier_rank[j]` is column j's rank); saves[at[c], j] =
+    gain[j, c]. gain [tiers, chunks]: what a return saves; rent per second is prices[j] *
+    size[c]; chunk c's schedule is row
     `row_session[c]` of q, d [sessions, stages] (zero past its grid); rows are in session
     order, each session's contiguous.
 
@@ -76,11 +85,49 @@ def induction(gain, size, prices, q, d, row_session, rank, tier_rank, out):  # p
                 later[count - 1, c] = stage[count - 1, c]
         q0 = q[s, 0]
         d0 = d[s, 0]
-        for j in range(count):
-            price = prices[j]
-            for c in range(first, end):
+        for c in range(first, end):
+            row = at[c]
+            for j in range(count):
+                saves[row, j] = gain[j, c]
                 if tier_rank[j] < rank[c]:
-                    out[j, c] = -np.inf  # no promotions
+                    values[row, j] = -np.inf  # no promotions
                 else:
-                    out[j, c] = q0 * gain[j, c] - price * size[c] * d0 + (1 - q0) * later[j, c]
+                    v = q0 * gain[j, c] - prices[j] * size[c] * d0 + (1 - q0) * later[j, c]
+                    values[row, j] = v
         first = end
+
+
+@_compiled("void(float64[:,::1], float64[::1], float64[::1], int64[::1])")
+def upgrade(values, size, room, placed):  # pragma: no cover - compiled
+    """Move chunks up into space still free where that is worth more, in row order: row r
+    (values[r] per tier column, `size[r]` bytes, in column placed[r], -1 dropped: worth 0)
+    tries its tiers best first (ties: the first column) while they are worth more than where
+    it is, and takes the first with `room` for it, freeing its old place. `room` and
+    `placed` are updated in place."""
+    n, count = values.shape
+    order = np.empty(count, np.int64)
+    for r in range(n):
+        at = placed[r]
+        now = values[r, at] if at >= 0 else 0.0
+        hopeful = False
+        for j in range(count):
+            if values[r, j] > now:
+                hopeful = True
+        if not hopeful:
+            continue
+        for j in range(count):  # a stable insertion sort, highest value first
+            i = j
+            while i > 0 and values[r, order[i - 1]] < values[r, j]:
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = j
+        for i in range(count):
+            j = order[i]
+            if values[r, j] <= now:
+                break
+            if size[r] <= room[j]:
+                room[j] -= size[r]
+                if at >= 0:
+                    room[at] += size[r]
+                placed[r] = j
+                break

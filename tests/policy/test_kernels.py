@@ -8,6 +8,7 @@ import random
 import numpy as np
 
 from kvtier.policy.cost_policy import CostPolicy, _chunk_table
+from kvtier.policy.kernels import upgrade
 from kvtier.policy.view import TIER_RANK
 from kvtier.policy.view_diff import ViewDiff
 
@@ -67,9 +68,62 @@ def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
         inputs = _decision_inputs(kv, policy, rng, now, occupied=rng.choice([0.0, 0.5, 0.97]))
         chunks, q, d, prices, tiers = inputs
         assert len(chunks.size) > 100 and (q > 0).any() and (d == 0).any()
-        values, gain = policy._induction(chunks, q, d, prices, tiers)
+        # written into scattered rows of a larger table, as the policy's session table has
+        n = len(chunks.size)
+        at = np.array(rng.sample(range(2 * n), n))
+        pool_values, pool_gain = np.zeros((2 * n, len(tiers))), np.zeros((2 * n, len(tiers)))
+        policy._induction(chunks, q, d, prices, tiers, at, pool_values, pool_gain)
+        values, gain = pool_values[at], pool_gain[at]
         want_values, want_gain = _reference(policy, chunks, q, d, prices, tiers)
         assert np.array_equal(gain, want_gain)
         # the same bits: equal values, -inf where a tier is faster than the chunk's
         assert values.tobytes() == np.ascontiguousarray(want_values).tobytes()
         assert np.isinf(values).any() and (values > 0).any()
+
+
+def _upgrade_reference(values, size, room, placed):
+    """The allocation's last pass as a Python loop: rows in order, each tries its tiers best
+    first (ties: the first) while worth more than where it is, and takes the first with
+    room."""
+    room, placed = list(room), placed.copy()
+    for r, row in enumerate(values.tolist()):
+        at = int(placed[r])
+        now = row[at] if at >= 0 else 0.0
+        for j in sorted(range(len(row)), key=lambda j: -row[j]):  # stable
+            if row[j] <= now:
+                break
+            if size[r] <= room[j]:
+                room[j] -= size[r]
+                if at >= 0:
+                    room[at] += size[r]
+                placed[r] = j
+                break
+    return room, placed
+
+
+def test_compiled_last_pass_equals_the_python_walk(kv):
+    rng = random.Random(5)
+    moved = 0
+    for trial in range(12):
+        policy = CostPolicy(kv.slow_model())
+        now = 6000.0 + trial
+        chunks, q, d, prices, tiers = _decision_inputs(kv, policy, rng, now, occupied=0.5)
+        n = len(chunks.size)
+        values, gain = np.empty((n, len(tiers))), np.empty((n, len(tiers)))
+        policy._induction(chunks, q, d, prices, tiers, np.arange(n), values, gain)
+        # where an auction might have left them: any tier at or below theirs, or dropped
+        lowest = [TIER_RANK[t] for t in tiers]
+        placed = np.array(
+            [
+                rng.choice([-1, *(j for j, r in enumerate(lowest) if r >= rank)])
+                for rank in chunks.rank
+            ],
+            dtype=np.int64,
+        )
+        room = np.array([rng.choice([0.0, 1e8, 3e9, 4e10]) for _ in tiers])
+        before = placed.copy()
+        want_room, want_placed = _upgrade_reference(values, chunks.size, room, placed)
+        upgrade(values, np.ascontiguousarray(chunks.size), room, placed)
+        assert placed.tolist() == want_placed.tolist() and room.tolist() == want_room
+        moved += int((want_placed != before).sum())
+    assert moved > 100  # the walk did move chunks up
