@@ -127,3 +127,30 @@ def test_compiled_last_pass_equals_the_python_walk(kv):
         assert placed.tolist() == want_placed.tolist() and room.tolist() == want_room
         moved += int((want_placed != before).sum())
     assert moved > 100  # the walk did move chunks up
+
+
+def test_compiled_distribution_equals_the_numpy_blend(kv):
+    """The predictor's distributions after real returns are bit for bit the numpy blend of
+    each histogram with its prior and `cumsum`."""
+    rng = random.Random(11)
+    predictor = CostPolicy(kv.slow_model()).predictor
+    keys = [kv.session("k", 256, app_class=c).reuse_key for c in ("chat", "code", "agent")]
+    for step in range(600):
+        key = keys[step % 3]
+        gap = rng.expovariate(1 / rng.choice([3.0, 60.0, 900.0]))
+        predictor.record_gap(key, gap, session_id=f"s{rng.randrange(40)}")
+        if step % 37 == 0:
+            predictor.record_no_return(key)
+        if step % 50 == 0:
+            weight = predictor.prior.weight
+            pooled = predictor._pooled
+            want = np.cumsum(
+                (pooled.counts + weight * predictor._prior_masses) / (pooled.total + weight)
+            )
+            got = predictor._distribution(None)[0]
+            assert got[0] == 0.0 and got[1:].tobytes() == want.tobytes()
+            histogram = predictor._keys[key]
+            base = np.diff(got)
+            want = np.cumsum((histogram.counts + weight * base) / (histogram.total + weight))
+            assert predictor._distribution(key)[0][1:].tobytes() == want.tobytes()
+            assert want[-1] < 1.0 and (np.diff(want) > 0).any()

@@ -1,5 +1,5 @@
-"""The cost policy's passes over every candidate chunk, compiled: the backward induction and
-the allocation's last pass.
+"""The cost policy's hot loops, compiled: the backward induction and the allocation's last pass
+over every candidate chunk, and the predictor's rebuild of a distribution after each return.
 
 `CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
 stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
@@ -14,6 +14,12 @@ The allocation's last pass (`upgrade`) walks the chunks one by one, each taking 
 that still has room for it: sequential by nature, it was a Python loop over every chunk that
 had a better tier than where the auction put it. Here it is the same comparisons and the same
 sums of whole byte counts (exact in float64), so the same placement.
+
+`cumulative_masses` is `ReusePredictor._distribution`'s blend of a histogram with its prior
+and the running sum after it: the predictor rebuilds a distribution after every return it
+learns from (each changes the pooled histogram every key blends with), several numpy calls
+on 64 bins each time. The same divisions and the same left-to-right running sum as
+`np.cumsum`, so the same bits.
 
 They are compiled when this module is first imported, from numba's on-disk cache after the first
 time in an environment (next to this file, or numba's per-user directory when that is not
@@ -131,3 +137,15 @@ def upgrade(values, size, room, placed):  # pragma: no cover - compiled
                     room[at] += size[r]
                 placed[r] = j
                 break
+
+
+@_compiled("void(float64[::1], float64[::1], float64, float64, float64[::1])")
+def cumulative_masses(counts, base, weight, total, out):  # pragma: no cover - compiled
+    """out = [0, cumsum((counts + weight * base) / total)], the sum taken left to right as
+    numpy's `cumsum` does."""
+    out[0] = 0.0
+    running = 0.0
+    for i in range(len(counts)):
+        mass = (counts[i] + weight * base[i]) / total
+        running = mass if i == 0 else running + mass
+        out[i + 1] = running

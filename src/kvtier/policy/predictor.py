@@ -53,6 +53,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from kvtier.policy.kernels import cumulative_masses
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -426,9 +427,11 @@ class ReusePredictor:
                 histogram, base = self._keys[key], np.diff(pooled_cdf)
             weight = self.prior.weight
             total = histogram.total + weight
-            masses = (histogram.counts + weight * base) / total
+            cdf = np.empty(len(base) + 1)
+            # _from_zero((counts + weight * base) / total), compiled: rebuilt after every return
+            cumulative_masses(histogram.counts, base, float(weight), total, cdf)
             no_return = (histogram.no_return + weight * base_none) / total
-            self._cache[key] = (_from_zero(masses), no_return)
+            self._cache[key] = (cdf, no_return)
         return self._cache[key]
 
     def _cdf(self, cdf: np.ndarray, x: float) -> float:
