@@ -603,14 +603,15 @@ def _actions(
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
     changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
     stay = ~moving & np.repeat(changed, np.diff(starts))
+    # the staying chunks of all sessions with a change, in row order, cut per session below
+    stay_index = index[stay].tolist()
+    stay_ends = np.cumsum(np.bincount(row_session[stay], minlength=len(sessions))).tolist()
     left: list[Action] = []
-    bounds = starts.tolist()
     for s, keep in enumerate(keeps):
         if not changed[s]:
             left.append(keep)
             continue
-        block = slice(bounds[s], bounds[s + 1])
-        staying = index[block][stay[block]].tolist()
+        staying = stay_index[stay_ends[s - 1] if s else 0 : stay_ends[s]]
         memo = chunk_keeps[s]
         for i in set(staying).difference(memo):
             memo[i] = Keep(sessions[s].session_id, i)
