@@ -89,15 +89,13 @@ def _upgrade_reference(values, size, room, placed):
     for r, row in enumerate(values.tolist()):
         at = int(placed[r])
         now = row[at] if at >= 0 else 0.0
-        for j in sorted(range(len(row)), key=lambda j: -row[j]):  # stable
-            if row[j] <= now:
-                break
-            if size[r] <= room[j]:
-                room[j] -= size[r]
-                if at >= 0:
-                    room[at] += size[r]
-                placed[r] = j
-                break
+        better = [j for j in sorted(range(len(row)), key=lambda j: -row[j]) if row[j] > now]
+        to = next((j for j in better if size[r] <= room[j]), None)  # sorted() is stable
+        if to is not None:
+            room[to] -= size[r]
+            if at >= 0:
+                room[at] += size[r]
+            placed[r] = to
     return room, placed
 
 
