@@ -3,10 +3,12 @@ passes over a real decision's inputs (the table, schedules and prices the policy
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 
+from kvtier.policy.cost_model import Prices
 from kvtier.policy.cost_policy import CostPolicy, _chunk_table
 from kvtier.policy.kernels import upgrade
 from kvtier.policy.view import TIER_RANK
@@ -60,7 +62,10 @@ def _decision_inputs(kv, policy, rng, now, occupied):
 def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
     rng = random.Random(3)
     for trial in range(12):
-        policy = CostPolicy(kv.slow_model())
+        # a floor price on space, so holding costs rent at every stage
+        floor = [0.0, 1e-5, 1e-3][trial % 3]
+        prices = Prices.from_dollars(floor_dollars_per_gb_hour=floor)
+        policy = CostPolicy(dataclasses.replace(kv.slow_model(), prices=prices))
         # returns the predictor learnt from: the schedules differ per class and age
         for _ in range(trial * 20):
             policy.predictor.record_gap(kv.session("k", 256).reuse_key, rng.expovariate(1 / 30.0))
