@@ -209,3 +209,29 @@ def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
     gathered = predictor.p_reuse_cdf(table[rows], idle[:, None], horizon[:, None])[:, 0]
     assert predictor.p_reuse_rows(table, rows, idle, horizon).tolist() == gathered.tolist()
     assert len(table) > 2  # sessions with their own gaps have rows of their own
+
+
+def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
+    """`_cdf_many` divides by each bin's log width taken once per bin: the same bits as the
+    formula taken per element, over ages in every bin, past the cut-off and at 0."""
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        predictor.record_gap(("chat", "a"), float(rng.exponential(120.0)), "s")
+    cdf = predictor._distribution(("chat", "a"))[0]
+    edges = predictor.edges
+    x = np.concatenate([[0.0, 0.5, 1.0, edges[-1], 2 * edges[-1]], rng.uniform(0, 4000, 5000)])
+    clipped = np.clip(x, 0.0, edges[-1])
+    i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
+    lo, hi = edges[i], edges[i + 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_share = np.log(np.maximum(clipped, 1e-300) / np.maximum(lo, 1e-300)) / np.log(
+            hi / np.maximum(lo, 1e-300)
+        )
+    share = np.where(i == 0, clipped / hi, log_share)
+    want = np.where(x >= edges[-1], cdf[-1], cdf[i] + (cdf[i + 1] - cdf[i]) * share)
+    assert predictor._cdf_many(cdf, x).tobytes() == want.tobytes()
+    table = np.stack([cdf, cdf * 0.5])
+    rows = np.arange(len(x)) % 2
+    got = predictor._cdf_many(table, x, rows)
+    assert got[rows == 0].tobytes() == want[rows == 0].tobytes()

@@ -156,6 +156,12 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
         now += rng.choice([0.5, 5.0, 20.0, 300.0, 4000.0])
 
 
+def _store(table, found, q, d, prices, values):
+    """Price every candidate of `found` at `values` (and save as much on a return)."""
+    rows, pool_values, pool_gain = table.store(found, np.ones(len(q), dtype=bool), q, d, prices)
+    pool_values[rows], pool_gain[rows] = values, values
+
+
 def test_stale_says_what_no_longer_holds(kv):
     table, seen = SessionTable(), ViewDiff()
     s = dataclasses.replace(
@@ -167,7 +173,7 @@ def test_stale_says_what_no_longer_holds(kv):
     prices = np.array([1.0, 2.0, 3.0])
     assert table.stale(found, q, d, prices).tolist() == [True]  # never priced
     values = np.arange(6.0).reshape(2, 3)
-    table.store(found, np.array([True]), q, d, prices, values, values)
+    _store(table, found, q, d, prices, values)
     assert table.priced("a").tolist() == values.tolist()
     assert table.stale(found, q, d, prices).tolist() == [False]
     assert table.stale(found, q, d, np.array([9.0, 2.0, 3.0])).tolist() == [False]
@@ -190,17 +196,17 @@ def test_a_tolerance_reuses_values_until_what_they_were_priced_at_moves_past_it(
     prices = np.array([1.0, 2.0, 3.0])
     values = np.arange(6.0).reshape(2, 3)
     assert table.stale(found, q, d, prices).tolist() == [True]  # never priced
-    table.store(found, np.array([True]), q, d, prices, values, values)
+    _store(table, found, q, d, prices, values)
     assert table.stale(found, q * 1.04, d, prices * 1.04).tolist() == [False]
     assert table.stale(found, q * 1.06, d, prices).tolist() == [True]
     assert table.stale(found, q, d, prices * [1.0, 1.0, 1.06]).tolist() == [True]
     assert table.stale(found, q, d + 1e-9, prices).tolist() == [True]  # lengths: exact
     # tiny probabilities within the absolute floor count as unchanged, beyond it not
     tiny = np.array([[1e-6, 0.2]])
-    table.store(found, np.array([True]), tiny, d, prices, values, values)
+    _store(table, found, tiny, d, prices, values)
     assert table.stale(found, tiny * [50.0, 1.0], d, prices).tolist() == [False]
     assert table.stale(found, tiny + np.array([[2e-4, 0.0]]), d, prices).tolist() == [True]
     # the comparison is with what it was priced at, so small moves add up to a re-pricing
-    table.store(found, np.array([True]), q, d, prices, values, values)
+    _store(table, found, q, d, prices, values)
     assert table.stale(found, q * 1.03, d, prices).tolist() == [False]
     assert table.stale(found, q * 1.03 * 1.03, d, prices).tolist() == [True]

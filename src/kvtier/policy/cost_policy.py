@@ -69,6 +69,7 @@ from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
+from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
@@ -189,7 +190,9 @@ class CostPolicy(RetentionPolicy):
         tiers = view.tier_names
         q, d = self._schedules([session], np.array([session.idle_s(now)]))
         prices = self._prices(tiers, occupancy)
-        values, _ = self._induction(chunks, q, d, prices, tiers)
+        n = len(chunks.size)
+        values, gain = np.empty((n, len(tiers))), np.empty((n, len(tiers)))
+        self._induction(chunks, q, d, prices, tiers, np.arange(n), values, gain)
         return {
             index: {t: float(v) for t, v in zip(tiers, row, strict=True) if v > -np.inf}
             for index, row in zip(chunks.index.tolist(), values, strict=True)
@@ -226,14 +229,12 @@ class CostPolicy(RetentionPolicy):
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        if stale.all():  # every session moved: a fresh table, no round trip through the pool
-            values, gain = self._induction(chunks, q, d, prices, tiers)
-            state.store(candidates, stale, q, d, prices, values, gain)
-        else:
-            fresh = _subset(chunks, stale)
-            fresh_values, fresh_gain = self._induction(fresh, q[stale], d[stale], prices, tiers)
-            state.store(candidates, stale, q, d, prices, fresh_values, fresh_gain)
-            values, gain = state.values(candidates)
+        fresh = chunks if stale.all() else _subset(chunks, stale)
+        # the induction writes the stale sessions' values into the table, which hands back
+        # every candidate's (a reused session's as it was priced)
+        rows, pool_values, pool_gain = state.store(candidates, stale, q, d, prices)
+        self._induction(fresh, q[stale], d[stale], prices, tiers, rows, pool_values, pool_gain)
+        values, gain = state.values(candidates)
         # the next interval is priced at the exact idle age every decision: the device auction
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
         soon = q_now[chunks.row_session, None] * gain
@@ -253,40 +254,35 @@ class CostPolicy(RetentionPolicy):
         d: np.ndarray,
         prices: np.ndarray,
         tiers: Sequence[str],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(values, what a return saves) of every chunk of `chunks` (whose `values` still
-        hold tokens and start), its sessions' schedules `q`, `d`, by the backward induction
-        of the module docstring; tier-major arrays, so each stage is a few passes over
-        contiguous rows."""
+        at: np.ndarray,
+        values: np.ndarray,
+        gain: np.ndarray,
+    ) -> None:
+        """Write rows `at` of `values` and `gain` ([rows, tiers]): the values and what a
+        return saves of each chunk of `chunks` (whose `values` still hold tokens and start),
+        its sessions' schedules `q`, `d`, by the backward induction of the module docstring,
+        in the compiled kernel of `induction` (one session's chunks at a time, its schedule
+        read in place)."""
         row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
         tokens, start = chunks.values[:, 0], chunks.values[:, 1]
         weight = chunks.weight[row_session]
-        # tiers x chunks: what a return saves, and what holding costs per second (the cost
-        # model's formulas are plain arithmetic, so they take whole columns at once)
+        # tiers x chunks: what a return saves (the cost model's formulas are plain
+        # arithmetic, so they take whole columns at once)
         recompute = self.model.chunk_recompute_s(tokens, start)
-        tier_rank = np.array([TIER_RANK[t] for t in tiers])
-        gain = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
-        rent = prices[:, None] * size[None, :]
-        # [K, chunks], each stage contiguous (rows are in session order: a repeat, not a gather)
-        per_session = np.bincount(row_session, minlength=len(q))
-        q, d = np.repeat(q.T, per_session, axis=1), np.repeat(d.T, per_session, axis=1)
-        count = len(tiers)
-        later = np.zeros_like(gain)  # V_k+1, with the freedom to move down or drop later
-        # qk * gain - rent * dk + (1 - qk) * later, in place (two buffers swap roles)
-        stage, term = np.empty_like(gain), np.empty_like(gain)
-        for k in range(q.shape[0] - 1, 0, -1):  # past a session's grid q = d = 0: no change
-            qk, dk = q[k], d[k]
-            np.multiply(qk, gain, out=stage)
-            np.subtract(stage, np.multiply(rent, dk, out=term), out=stage)
-            np.add(stage, np.multiply(1 - qk, later, out=term), out=stage)
-            np.maximum(stage, 0.0, out=stage)
-            for j in range(count - 2, -1, -1):  # the best of this tier and any below it
-                np.maximum(stage[j], stage[j + 1], out=stage[j])
-            later, stage = stage, later
-        q0, d0 = q[0], d[0]
-        values = q0 * gain - rent * d0 + (1 - q0) * later
-        values[tier_rank[:, None] < rank[None, :]] = -np.inf  # no promotions
-        return values.T, gain.T
+        saves = np.stack([weight * (recompute - self.model.load_s(size, t)) for t in tiers])
+        induction(
+            saves,
+            np.ascontiguousarray(size, dtype=float),
+            np.ascontiguousarray(prices, dtype=float),
+            np.ascontiguousarray(q, dtype=float),
+            np.ascontiguousarray(d, dtype=float),
+            np.ascontiguousarray(row_session, dtype=np.int64),
+            rank.astype(np.int64),
+            np.array([TIER_RANK[t] for t in tiers], dtype=np.int64),
+            np.ascontiguousarray(at, dtype=np.int64),
+            values,
+            gain,
+        )
 
     def _schedules(
         self, sessions: Sequence[SessionView], idle: np.ndarray
@@ -426,7 +422,7 @@ class CostPolicy(RetentionPolicy):
             here = columns[j] >= top_from[j + 1]
             best_from[j] = np.where(here, j, best_from[j + 1])
             top_from[j] = np.where(here, columns[j], top_from[j + 1])
-        placed = np.full(n, -1)  # column of the tier each chunk gets; -1: dropped
+        placed = np.full(n, -1, dtype=np.int64)  # column of the tier each chunk gets; -1: dropped
         pending = np.ones(n, dtype=bool)
         for j, tier in enumerate(tiers):
             wants = pending & (best_from[j] == j) & (columns[j] > 0)
@@ -473,41 +469,10 @@ class CostPolicy(RetentionPolicy):
             pending[chosen] = False
 
         # the sweep never offers a loser a faster tier it preferred less; give it any room left
-        current = np.where(placed >= 0, values[np.arange(n), np.maximum(placed, 0)], 0.0)
-        # a row with any tier worth more than where it is: its best tier is (no NaN here);
-        # the max over the tier-major columns is elementwise, the [rows, tiers] matrix of
-        # comparisons is made for those rows only
-        hopeful = np.flatnonzero(np.maximum.reduce(columns) > current)
-        better = values[hopeful] > current[hopeful, None]
-        # the most room a tier can have during this pass: what is left now plus everything
-        # that might move up out of it; a chunk too large for all its better tiers even then
-        # is skipped without changing the outcome
-        movers = hopeful[placed[hopeful] >= 0]
-        leaving = np.bincount(placed[movers], size[movers], count)
-        most = np.array([available[t] for t in tiers]) + leaving
-        fits = (better & (size[hopeful, None] <= most[None, :])).any(axis=1)
-        rows = hopeful[fits]
-        room = [available[t] for t in tiers]
-        worth = values[rows]
-        # each row's tiers best first, ties in column order (a stable sort of the negated values)
-        for r, row, order, at, now_worth, bytes_ in zip(
-            rows.tolist(),
-            worth.tolist(),
-            np.argsort(-worth, axis=1, kind="stable").tolist(),
-            placed[rows].tolist(),
-            current[rows].tolist(),
-            size[rows].tolist(),
-            strict=True,
-        ):
-            for j in order:
-                if row[j] <= now_worth:
-                    break
-                if bytes_ <= room[j]:
-                    room[j] -= bytes_
-                    if at >= 0:
-                        room[at] += bytes_
-                    placed[r] = at = j
-                    break
+        # (compiled: a walk over the chunks in order, each taking the room the ones before it
+        # left)
+        room = np.array([float(available[t]) for t in tiers])
+        upgrade(np.ascontiguousarray(values), np.ascontiguousarray(size, dtype=float), room, placed)
         return placed
 
 
@@ -638,14 +603,15 @@ def _actions(
     moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
     changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
     stay = ~moving & np.repeat(changed, np.diff(starts))
+    # the staying chunks of all sessions with a change, in row order, cut per session below
+    stay_index = index[stay].tolist()
+    stay_ends = np.cumsum(np.bincount(row_session[stay], minlength=len(sessions))).tolist()
     left: list[Action] = []
-    bounds = starts.tolist()
     for s, keep in enumerate(keeps):
         if not changed[s]:
             left.append(keep)
             continue
-        block = slice(bounds[s], bounds[s + 1])
-        staying = index[block][stay[block]].tolist()
+        staying = stay_index[stay_ends[s - 1] if s else 0 : stay_ends[s]]
         memo = chunk_keeps[s]
         for i in set(staying).difference(memo):
             memo[i] = Keep(sessions[s].session_id, i)

@@ -53,6 +53,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from kvtier.policy.kernels import cumulative_masses
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -131,6 +132,10 @@ class ReusePredictor:
         # bin 0 is [0, min_gap); the rest are log-spaced up to max_age
         self.edges = np.concatenate([[0.0], np.geomspace(min_gap_s, max_age_s, bins)])
         self._edge_list = self.edges.tolist()
+        # each bin's log width, log(hi / lo), which `_cdf_many` divides by: taken once per
+        # bin here rather than per element (np.log gives the same bits on the same inputs)
+        lows = np.maximum(self.edges[:-1], 1e-300)
+        self._log_width = np.log(self.edges[1:] / lows)
         self._prior_masses, self._prior_no_return = self.prior.masses(self.edges)
         self._pooled = _Histogram(bins)
         self._keys: OrderedDict[Key, _Histogram] = OrderedDict()
@@ -377,8 +382,8 @@ class ReusePredictor:
         i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
         lo, hi = edges[i], edges[i + 1]
         with np.errstate(divide="ignore", invalid="ignore"):
-            log_share = np.log(np.maximum(clipped, 1e-300) / np.maximum(lo, 1e-300)) / np.log(
-                hi / np.maximum(lo, 1e-300)
+            log_share = (
+                np.log(np.maximum(clipped, 1e-300) / np.maximum(lo, 1e-300)) / self._log_width[i]
             )
         share = np.where(i == 0, clipped / hi, log_share)
         if rows is not None:  # the same arithmetic on the entries `take_along_axis` would take
@@ -426,9 +431,11 @@ class ReusePredictor:
                 histogram, base = self._keys[key], np.diff(pooled_cdf)
             weight = self.prior.weight
             total = histogram.total + weight
-            masses = (histogram.counts + weight * base) / total
+            cdf = np.empty(len(base) + 1)
+            # _from_zero((counts + weight * base) / total), compiled: rebuilt after every return
+            cumulative_masses(histogram.counts, base, float(weight), total, cdf)
             no_return = (histogram.no_return + weight * base_none) / total
-            self._cache[key] = (_from_zero(masses), no_return)
+            self._cache[key] = (cdf, no_return)
         return self._cache[key]
 
     def _cdf(self, cdf: np.ndarray, x: float) -> float:

@@ -1,0 +1,151 @@
+"""The cost policy's hot loops, compiled: the backward induction and the allocation's last pass
+over every candidate chunk, and the predictor's rebuild of a distribution after each return.
+
+`CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
+stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
+each stage is several passes over [tiers, chunks] arrays, with every session's schedule first
+repeated out to its chunks; this kernel (numba: LLVM, no C compiler) takes one session's
+chunks (contiguous rows) at a time, its schedule as scalars, in loops over those chunks that
+LLVM vectorises, and does per element the same IEEE operations in the same order (no
+fast-math, so no reassociation or fused multiply-add): the values are bit for bit those of the
+numpy passes (tests/policy/test_kernels.py checks it on a decision's inputs).
+
+The allocation's last pass (`upgrade`) walks the chunks one by one, each taking the best tier
+that still has room for it: sequential by nature, it was a Python loop over every chunk that
+had a better tier than where the auction put it. Here it is the same comparisons and the same
+sums of whole byte counts (exact in float64), so the same placement.
+
+`cumulative_masses` is `ReusePredictor._distribution`'s blend of a histogram with its prior
+and the running sum after it: the predictor rebuilds a distribution after every return it
+learns from (each changes the pooled histogram every key blends with), several numpy calls
+on 64 bins each time. The same divisions and the same left-to-right running sum as
+`np.cumsum`, so the same bits.
+
+They are compiled when this module is first imported, from numba's on-disk cache after the first
+time in an environment (next to this file, or numba's per-user directory when that is not
+writable), so no decision waits for the compiler.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+def _compiled(signature: str):
+    """numba.njit with the on-disk cache, or without it where numba finds no writable
+    directory for one (then each process compiles the kernel anew, as the first one did)."""
+
+    def compile_(func):
+        try:
+            return numba.njit(signature, nogil=True, cache=True)(func)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return numba.njit(signature, nogil=True)(func)
+
+    return compile_
+
+
+@_compiled(
+    "void(float64[:,::1], float64[::1], float64[::1], float64[:,::1], float64[:,::1],"
+    " int64[::1], int64[::1], int64[::1], int64[::1], float64[:,::1], float64[:,::1])"
+)
+def induction(  # pragma: no cover - compiled
+    gain, size, prices, q, d, row_session, rank, tier_rank, at, values, saves
+):
+    """values[at[c], j]: chunk c's value held in tier column j (-inf where j is faster than
+    the chunk's tier `rank[c]`; `tier_rank[j]` is column j's rank); saves[at[c], j] =
+    gain[j, c]. gain [tiers, chunks]: what a return saves; rent per second is prices[j] *
+    size[c]; chunk c's schedule is row
+    `row_session[c]` of q, d [sessions, stages] (zero past its grid); rows are in session
+    order, each session's contiguous.
+
+        V_K = 0,  V_k(j) = max(0, max over j' >= j of
+                               q_k gain[j'] - rent[j'] d_k + (1 - q_k) V_k+1(j'))
+        out[j] = q_0 gain[j] - rent[j] d_0 + (1 - q_0) V_1(j)
+
+    Each max is numpy's `maximum` (NaN wins, the first of equals)."""
+    count, n = gain.shape
+    stages = q.shape[1]
+    later = np.zeros((count, n))
+    stage = np.empty((count, n))
+    first = 0
+    while first < n:  # one session's rows at a time (they are contiguous): its schedule is
+        s = row_session[first]  # scalars there and each inner loop runs over its chunks
+        end = first + 1
+        while end < n and row_session[end] == s:
+            end += 1
+        for k in range(stages - 1, 0, -1):
+            qk = q[s, k]
+            dk = d[s, k]
+            for j in range(count):
+                price = prices[j]
+                for c in range(first, end):
+                    v = qk * gain[j, c] - price * size[c] * dk + (1 - qk) * later[j, c]
+                    stage[j, c] = v if (v >= 0.0 or v != v) else 0.0
+            for j in range(count - 2, -1, -1):
+                for c in range(first, end):
+                    a = stage[j, c]
+                    b = stage[j + 1, c]
+                    later[j, c] = a if (a >= b or a != a) else b
+            for c in range(first, end):
+                later[count - 1, c] = stage[count - 1, c]
+        q0 = q[s, 0]
+        d0 = d[s, 0]
+        for c in range(first, end):
+            row = at[c]
+            for j in range(count):
+                saves[row, j] = gain[j, c]
+                if tier_rank[j] < rank[c]:
+                    values[row, j] = -np.inf  # no promotions
+                else:
+                    v = q0 * gain[j, c] - prices[j] * size[c] * d0 + (1 - q0) * later[j, c]
+                    values[row, j] = v
+        first = end
+
+
+@_compiled("void(float64[:,::1], float64[::1], float64[::1], int64[::1])")
+def upgrade(values, size, room, placed):  # pragma: no cover - compiled
+    """Move chunks up into space still free where that is worth more, in row order: row r
+    (values[r] per tier column, `size[r]` bytes, in column placed[r], -1 dropped: worth 0)
+    tries its tiers best first (ties: the first column) while they are worth more than where
+    it is, and takes the first with `room` for it, freeing its old place. `room` and
+    `placed` are updated in place."""
+    n, count = values.shape
+    order = np.empty(count, np.int64)
+    for r in range(n):
+        at = placed[r]
+        now = values[r, at] if at >= 0 else 0.0
+        hopeful = False
+        for j in range(count):
+            if values[r, j] > now:
+                hopeful = True
+        if not hopeful:
+            continue
+        for j in range(count):  # a stable insertion sort, highest value first
+            i = j
+            while i > 0 and values[r, order[i - 1]] < values[r, j]:
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = j
+        for i in range(count):
+            j = order[i]
+            if values[r, j] <= now:
+                break
+            if size[r] <= room[j]:
+                room[j] -= size[r]
+                if at >= 0:
+                    room[at] += size[r]
+                placed[r] = j
+                break
+
+
+@_compiled("void(float64[::1], float64[::1], float64, float64, float64[::1])")
+def cumulative_masses(counts, base, weight, total, out):  # pragma: no cover - compiled
+    """out = [0, cumsum((counts + weight * base) / total)], the sum taken left to right as
+    numpy's `cumsum` does."""
+    out[0] = 0.0
+    running = 0.0
+    for i in range(len(counts)):
+        mass = (counts[i] + weight * base[i]) / total
+        running = mass if i == 0 else running + mass
+        out[i + 1] = running

@@ -1,0 +1,159 @@
+"""The compiled backward induction gives bit for bit the values of the straightforward numpy
+passes over a real decision's inputs (the table, schedules and prices the policy builds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+
+from kvtier.policy.cost_model import Prices
+from kvtier.policy.cost_policy import CostPolicy, _chunk_table
+from kvtier.policy.kernels import upgrade
+from kvtier.policy.view import TIER_RANK
+from kvtier.policy.view_diff import ViewDiff
+
+GB = 10**9
+
+
+def _reference(policy, chunks, q, d, prices, tiers):
+    """The induction as plain numpy passes over [tiers, chunks], each session's schedule
+    repeated out to its chunks."""
+    tokens, start = chunks.values[:, 0], chunks.values[:, 1]
+    weight = chunks.weight[chunks.row_session]
+    recompute = policy.model.chunk_recompute_s(tokens, start)
+    gain = np.stack([weight * (recompute - policy.model.load_s(chunks.size, t)) for t in tiers])
+    rent = prices[:, None] * chunks.size[None, :]
+    q, d = q[chunks.row_session].T, d[chunks.row_session].T
+    later = np.zeros_like(gain)
+    for k in range(q.shape[0] - 1, 0, -1):
+        stage = np.maximum(q[k] * gain - rent * d[k] + (1 - q[k]) * later, 0.0)
+        for j in range(len(tiers) - 2, -1, -1):
+            stage[j] = np.maximum(stage[j], stage[j + 1])
+        later = stage
+    values = q[0] * gain - rent * d[0] + (1 - q[0]) * later
+    tier_rank = np.array([TIER_RANK[t] for t in tiers])
+    values[tier_rank[:, None] < chunks.rank[None, :]] = -np.inf
+    return values.T, gain.T
+
+
+def _decision_inputs(kv, policy, rng, now, occupied):
+    """A view of sessions in every tier at idle ages from a second to past the cut-off, and
+    the chunks, schedules and prices the policy prices them with."""
+    sessions = []
+    for i in range(40):
+        tier = rng.choice(["device", "device", "host", "disk"])
+        idle_since = now - rng.choice([0.5, 3.0, 40.0, 700.0, 5000.0]) * rng.random()
+        extra = {"priority": rng.choice([-1, 0, 0, 1])}
+        tokens = 256 * rng.randint(1, 30) + rng.randint(0, 255)
+        sessions.append(kv.session(f"s{i:02d}", tokens, tier=tier, idle_since=idle_since, **extra))
+    capacity = {"device": 40 * GB, "host": 60 * GB, "disk": 1000 * GB}
+    v = kv.view(sessions, capacity, other_used={"device": int(occupied * 40 * GB)})
+    found = policy._state.sync(v, ViewDiff().update(v.sessions), now)
+    columns = policy._state.columns(found)
+    chunks = _chunk_table(found.sessions, found.row_session, columns, found.weight)
+    q, d = policy._schedules(found.sessions, found.idle_s)
+    movable = policy._movable(v, chunks)
+    prices = policy._prices(v.tier_names, policy._fixed_occupancy(v, movable))
+    return chunks, q, d, prices, v.tier_names
+
+
+def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
+    rng = random.Random(3)
+    for trial in range(12):
+        # a floor price on space, so holding costs rent at every stage
+        floor = [0.0, 1e-5, 1e-3][trial % 3]
+        prices = Prices.from_dollars(floor_dollars_per_gb_hour=floor)
+        policy = CostPolicy(dataclasses.replace(kv.slow_model(), prices=prices))
+        # returns the predictor learnt from: the schedules differ per class and age
+        for _ in range(trial * 20):
+            policy.predictor.record_gap(kv.session("k", 256).reuse_key, rng.expovariate(1 / 30.0))
+        now = 6000.0 + trial
+        inputs = _decision_inputs(kv, policy, rng, now, occupied=rng.choice([0.0, 0.5, 0.97]))
+        chunks, q, d, prices, tiers = inputs
+        assert len(chunks.size) > 100 and (q > 0).any() and (d == 0).any()
+        # written into scattered rows of a larger table, as the policy's session table has
+        n = len(chunks.size)
+        at = np.array(rng.sample(range(2 * n), n))
+        pool_values, pool_gain = np.zeros((2 * n, len(tiers))), np.zeros((2 * n, len(tiers)))
+        policy._induction(chunks, q, d, prices, tiers, at, pool_values, pool_gain)
+        values, gain = pool_values[at], pool_gain[at]
+        want_values, want_gain = _reference(policy, chunks, q, d, prices, tiers)
+        assert np.array_equal(gain, want_gain)
+        # the same bits: equal values, -inf where a tier is faster than the chunk's
+        assert values.tobytes() == np.ascontiguousarray(want_values).tobytes()
+        assert np.isinf(values).any() and (values > 0).any()
+
+
+def _upgrade_reference(values, size, room, placed):
+    """The allocation's last pass as a Python loop: rows in order, each tries its tiers best
+    first (ties: the first) while worth more than where it is, and takes the first with
+    room."""
+    room, placed = list(room), placed.copy()
+    for r, row in enumerate(values.tolist()):
+        at = int(placed[r])
+        now = row[at] if at >= 0 else 0.0
+        better = [j for j in sorted(range(len(row)), key=lambda j: -row[j]) if row[j] > now]
+        to = next((j for j in better if size[r] <= room[j]), None)  # sorted() is stable
+        if to is not None:
+            room[to] -= size[r]
+            if at >= 0:
+                room[at] += size[r]
+            placed[r] = to
+    return room, placed
+
+
+def test_compiled_last_pass_equals_the_python_walk(kv):
+    rng = random.Random(5)
+    moved = 0
+    for trial in range(12):
+        policy = CostPolicy(kv.slow_model())
+        now = 6000.0 + trial
+        chunks, q, d, prices, tiers = _decision_inputs(kv, policy, rng, now, occupied=0.5)
+        n = len(chunks.size)
+        values, gain = np.empty((n, len(tiers))), np.empty((n, len(tiers)))
+        policy._induction(chunks, q, d, prices, tiers, np.arange(n), values, gain)
+        # where an auction might have left them: any tier at or below theirs, or dropped
+        lowest = [TIER_RANK[t] for t in tiers]
+        placed = np.array(
+            [
+                rng.choice([-1, *(j for j, r in enumerate(lowest) if r >= rank)])
+                for rank in chunks.rank
+            ],
+            dtype=np.int64,
+        )
+        room = np.array([rng.choice([0.0, 1e8, 3e9, 4e10]) for _ in tiers])
+        before = placed.copy()
+        want_room, want_placed = _upgrade_reference(values, chunks.size, room, placed)
+        upgrade(values, np.ascontiguousarray(chunks.size), room, placed)
+        assert placed.tolist() == want_placed.tolist() and room.tolist() == want_room
+        moved += int((want_placed != before).sum())
+    assert moved > 100  # the walk did move chunks up
+
+
+def test_compiled_distribution_equals_the_numpy_blend(kv):
+    """The predictor's distributions after real returns are bit for bit the numpy blend of
+    each histogram with its prior and `cumsum`."""
+    rng = random.Random(11)
+    predictor = CostPolicy(kv.slow_model()).predictor
+    keys = [kv.session("k", 256, app_class=c).reuse_key for c in ("chat", "code", "agent")]
+    for step in range(600):
+        key = keys[step % 3]
+        gap = rng.expovariate(1 / rng.choice([3.0, 60.0, 900.0]))
+        predictor.record_gap(key, gap, session_id=f"s{rng.randrange(40)}")
+        if step % 37 == 0:
+            predictor.record_no_return(key)
+        if step % 50 == 0:
+            weight = predictor.prior.weight
+            pooled = predictor._pooled
+            want = np.cumsum(
+                (pooled.counts + weight * predictor._prior_masses) / (pooled.total + weight)
+            )
+            got = predictor._distribution(None)[0]
+            assert got[0] == 0.0 and got[1:].tobytes() == want.tobytes()
+            histogram = predictor._keys[key]
+            base = np.diff(got)
+            want = np.cumsum((histogram.counts + weight * base) / (histogram.total + weight))
+            assert predictor._distribution(key)[0][1:].tobytes() == want.tobytes()
+            assert want[-1] < 1.0 and (np.diff(want) > 0).any()
