@@ -97,22 +97,44 @@ def test_kv_idle_past_the_cut_off_age_stays_while_its_tier_has_room(kv):
         assert not kv.changes(policy.decide(v, now)), now
 
 
+def _full_device(kv, old, young):
+    """Capacities where the device holds exactly `old` and `young`, with host to spare."""
+    device = sum(c.size_bytes for s in (old, young) for c in s.chunks)
+    return {"device": device, "host": 200 * GB}
+
+
 def test_kv_idle_past_the_cut_off_age_is_the_first_victim_under_pressure(kv):
     # a device full of two idle sessions, asked for 400 MB: the session idle past the cut-off
-    # gives it, leading chunks first, and goes to host (a drop from a host with room buys
-    # nothing); the session that may still return keeps the device
+    # gives it, leading chunks first, and they are dropped (the waiting request would wait
+    # for their copies; the predictor gives them no chance to save anything); the session
+    # that may still return keeps the device
     policy = CostPolicy(kv.slow_model())
     old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
     size = old.chunks[0].size_bytes
-    capacity = {"device": 2 * len(old.chunks) * size, "host": 200 * GB}
-    v = kv.view([old, young], capacity, bytes_needed=400 * 10**6)
+    v = kv.view([old, young], _full_device(kv, old, young), bytes_needed=400 * 10**6)
+    actions = policy.decide(v, 3650.0)
+    where = kv.placement(v, actions)
+    assert not kv.changes(a for a in actions if a.session_id == "young")
+    victims = [c.index for c in old.chunks if where["old", c.index] is None]
+    assert victims == list(range(-(-400 * 10**6 // size)))  # just enough, from the front
+    assert all(where["old", c.index] == "device" for c in old.chunks[len(victims) :])
+
+
+def test_kv_idle_past_the_cut_off_age_makes_way_on_the_timer_to_a_lower_tier(kv):
+    # the same device with requests waiting: on the timer nobody waits for a copy, and a
+    # drop from a host with room buys nothing, so the session past the cut-off goes to host,
+    # leading chunks first, before the session that may return gives anything
+    policy = CostPolicy(kv.slow_model())
+    old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
+    queue = QueueView(waiting_requests=4, waiting_tokens=4 * 1024)
+    v = kv.view([old, young], _full_device(kv, old, young), queue=queue)
     actions = policy.decide(v, 3650.0)
     where = kv.placement(v, actions)
     assert not kv.dropped(actions)
-    assert all(where["young", c.index] == "device" for c in young.chunks)
-    victims = [c.index for c in old.chunks if where["old", c.index] == "host"]
-    assert victims == list(range(-(-400 * 10**6 // size)))  # just enough, from the front
-    assert all(where["old", c.index] == "device" for c in old.chunks[len(victims) :])
+    moved = [c.index for c in old.chunks if where["old", c.index] == "host"]
+    assert moved == list(range(len(moved))) and moved  # from the front
+    if any(where["young", c.index] != "device" for c in young.chunks):
+        assert len(moved) == len(old.chunks)
 
 
 def test_kv_idle_past_the_cut_off_age_makes_way_in_a_full_lower_tier_oldest_first(kv):

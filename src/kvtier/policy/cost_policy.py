@@ -164,7 +164,7 @@ class CostPolicy(RetentionPolicy):
         table = self._priced_table(view, candidates, chunks, now, movable)
         placed, room = self._allocate(view, table, movable, now)
         # what the priced chunks leave is for the sessions past the cut-off, newest idle first
-        evicted = past_cutoff.evict(past, room, table.tiers, self.model, self.forms)
+        evicted = past_cutoff.evict(past, room, table.tiers, self.model, self.forms, view.pressure)
         return _actions(
             table, placed, self.forms, candidates.keeps, candidates.chunk_keeps, evicted
         )

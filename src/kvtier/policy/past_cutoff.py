@@ -27,6 +27,7 @@ from kvtier.policy.actions import Action, Drop, Move
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.forms import FormChooser
 from kvtier.policy.view import TIER_RANK, SessionView
+from kvtier.tiers.vocab import DEVICE
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ def evict(
     tiers: Sequence[str],
     model: CostModel,
     forms: FormChooser | None,
+    pressure: bool = False,
 ) -> tuple[list[Action], list[tuple[int, Action]]]:
     """(drops, moves keyed by minus their source tier's rank) that fit `past`'s chunks in the
     `room` each tier has left once the priced chunks are placed (see the module docstring).
@@ -80,6 +82,8 @@ def evict(
         evicted = candidates[: len(candidates) - stay]
         target[candidates[len(candidates) - stay :]] = j
         target[evicted] = -1
+        if pressure and tier == DEVICE:
+            continue  # the waiting request would wait for their copies: dropped
         carried = np.union1d(carried[~np.isin(carried, candidates)], evicted)
     target[carried] = -1
     drops: list[Action] = []
