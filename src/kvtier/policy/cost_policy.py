@@ -51,6 +51,10 @@ P(return within that time) * w * L_T' per byte: a session due back in 40 s outra
 ten minutes though neither is likely back in the next interval. Losers try the next tier; a
 chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
 if that is worth more. The policy runs again every h seconds and re-decides.
+
+Sessions idle past the predictor's cut-off age are not priced: their KV keeps what each tier
+has left after the above and is evicted first when space is needed, oldest idle first
+(`past_cutoff.py`).
 """
 
 from __future__ import annotations

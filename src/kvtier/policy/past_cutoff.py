@@ -9,7 +9,10 @@ evicted when space is needed, oldest idle first (within a session, leading chunk
 are the cheapest to recompute). An evicted chunk goes to the next tier down with room left,
 like `offload`'s cascade, where it joins that tier's own such chunks in the same idle order;
 it skips a tier it is cheaper to recompute than to load from (its remaining value there is
-none), and is dropped past the last one.
+none), and is dropped past the last one. Evicted from the device under pressure it is dropped
+at once: the request that asked for the space waits for every copy off the device, and the
+model gives such a chunk no chance of saving anything to set against that wait (on the timer
+nobody waits, so it is demoted).
 
 These sessions are not priced: the policy's work per decision stays with the sessions that
 may still return, however many sessions an ample pool has seen. They are kept in idle-since
@@ -63,8 +66,10 @@ def evict(
     held = past.held(tiers)
     if all(held[tier] <= room[tier] for tier in tiers):
         return [], []
-    column_of_rank = {TIER_RANK[tier]: j for j, tier in enumerate(tiers)}
-    current = np.array([column_of_rank[r] for r in past.columns[:, 4].astype(int).tolist()])
+    column_of_rank = np.full(len(TIER_RANK), -1)
+    for j, tier in enumerate(tiers):
+        column_of_rank[TIER_RANK[tier]] = j
+    current = column_of_rank[past.columns[:, 4].astype(int)]
     target = current.copy()
     carried = np.zeros(0, dtype=np.int64)  # rows evicted from faster tiers, still looking
     recompute = None

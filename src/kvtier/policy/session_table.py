@@ -9,7 +9,8 @@ saves per tier. A decision takes in the sessions whose view changed (`view_diff`
 columns of those that are candidates, and does the rest as array passes over the slots and
 the pool: which sessions are candidates, their order, their chunks' rows, which of them must
 be priced again. Before this, each decision handed out every session's arrays in Python and
-concatenated them.
+concatenated them. Sessions idle past `max_age_s` are not candidates: `past_cutoff` hands
+them out, oldest idle first, for the policy's LRU tail (`past_cutoff.py`).
 
 A session's rows are reused while its view is the same object; a view with as many stored
 chunks or fewer overwrites them in place, a larger one takes fresh rows at the end of the
