@@ -8,7 +8,7 @@ from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
 from kvtier.engine import SamplingParams
 from kvtier.policy.actions import Drop, Move
-from kvtier.policy.config import OffloadSection, PolicyConfig
+from kvtier.policy.config import OffloadSection, PolicyConfig, PredictorSection
 
 from .scenario import GREEDY, assert_no_leak, drain, make_turns, reference, run_second
 
@@ -201,4 +201,57 @@ def test_the_view_counts_what_each_turn_added_to_the_context(engine):
     second = len(turns.second(first))
     assert [t.prompt_tokens for t in session.turns] == [len(turns.first), second - len(turns.first)]
     assert sum(t.prompt_tokens for t in session.turns) == second
+    assert_no_leak(engine)
+
+
+def test_cost_policy_keeps_a_session_past_the_cut_off_until_its_space_is_needed(
+    engine, expected, clock
+):
+    """The cost policy's predictor counts a session idle past its cut-off age as never
+    returning; its KV stays on a device with room instead of being dropped, so when a long
+    prompt needs the blocks the engine's eviction spills them to host like any idle block,
+    and the next turn loads it."""
+    turns = make_turns(0)
+    config = PolicyConfig(predictor=PredictorSection(max_age_s=60.0))
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "cost", config
+    )
+    first = first_turn(engine, turns)
+    clock.advance(max(61.0, connector.runner.interval_s + 1))
+    engine.step()  # the timer decides on the session, idle past the cut-off
+    assert connector.runner.runs["timer"] >= 1
+    assert set(session_tiers(connector)) == {"device"}
+    engine.add_request(turns.flood, GREEDY, session_id="s1-flood")
+    drain(engine)
+    assert connector.flush(timeout=30)
+    tiers = session_tiers(connector)
+    assert "host" in tiers, tiers
+    second, out = run_second(engine, turns, first)
+    assert second == expected[1]
+    assert out.metrics.prompt_token_sources["host"] > 0
+    assert_no_leak(engine)
+
+
+def test_under_pressure_the_runner_drops_what_the_cost_policy_evicts_past_the_cut_off(
+    engine, expected, clock
+):
+    """Asked for the whole device, the cost policy evicts the session idle past its cut-off
+    first and drops it (the request waiting for the space would wait for a copy); the runner
+    frees its blocks like any other drop, and the next turn recomputes it."""
+    turns = make_turns(0)
+    config = PolicyConfig(predictor=PredictorSection(max_age_s=60.0))
+    connector = attach_connector(
+        engine, TiersConfig(host_bytes=64 * MIB, chunk_tokens=64), "cost", config
+    )
+    first = first_turn(engine, turns)
+    clock.advance(61.0)
+    need = engine.block_pool.num_blocks * connector.bytes_per_block
+    actions = connector.runner.run("pressure", need)
+    assert not [a for a in actions if isinstance(a, Move)]
+    assert {a.session_id for a in actions if isinstance(a, Drop)} == {"s1"}
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {None}
+    second, out = run_second(engine, turns, first)
+    assert second == expected[1]
+    assert out.metrics.prompt_token_sources["device"] == 0
     assert_no_leak(engine)

@@ -67,14 +67,15 @@ def _never_returns() -> ReusePredictor:
     return predictor
 
 
-def test_a_session_unlikely_to_return_keeps_a_tier_with_room_until_the_cut_off(kv):
+def test_a_session_unlikely_to_return_keeps_a_tier_with_room_past_the_cut_off(kv):
     # dropping from a tier with room buys no latency and, the space being paid for anyway, no
-    # money: a session of a class that almost never returns stays until the cut-off age
+    # money: a session of a class that almost never returns stays, before the cut-off age and
+    # after it
     policy = CostPolicy(kv.slow_model(), _never_returns())
     s = kv.session("b", 200, app_class="oneshot")
     v = kv.view([s], CAPACITY, other_used={"device": 30 * GB})
     assert not kv.changes(policy.decide(v, 60.0))
-    assert kv.dropped(policy.decide(v, policy.predictor.max_age_s + 1)) == [Drop("b", 0)]
+    assert not kv.changes(policy.decide(v, policy.predictor.max_age_s + 1))
 
 
 def test_short_session_that_never_returns_is_dropped_where_space_has_a_floor_price(kv):
@@ -85,13 +86,78 @@ def test_short_session_that_never_returns_is_dropped_where_space_has_a_floor_pri
     assert kv.dropped(policy.decide(v, 60.0)) == [Drop("b", 0)]
 
 
-def test_anything_idle_past_the_cut_off_age_is_dropped(kv):
-    policy = CostPolicy(kv.slow_model())  # prior only; returns are likely early on
+def test_kv_idle_past_the_cut_off_age_stays_while_its_tier_has_room(kv):
+    # the predictor counts it as never returning, but a drop from a device with room buys
+    # nothing: it stays, on the timer and at every later decision
+    policy = CostPolicy(kv.slow_model())
     s = kv.session("a", 6144)
     v = kv.view([s], CAPACITY)
     assert not kv.dropped(policy.decide(v, 30.0))
-    actions = policy.decide(v, policy.predictor.max_age_s + 1)
-    assert len(kv.dropped(actions)) == len(s.chunks)
+    for now in (3601.0, 3606.0, 7200.0, 86_400.0):
+        assert not kv.changes(policy.decide(v, now)), now
+
+
+def _full_device(kv, old, young):
+    """Capacities where the device holds exactly `old` and `young`, with host to spare."""
+    device = sum(c.size_bytes for s in (old, young) for c in s.chunks)
+    return {"device": device, "host": 200 * GB}
+
+
+def test_kv_idle_past_the_cut_off_age_is_the_first_victim_under_pressure(kv):
+    # a device full of two idle sessions, asked for 400 MB: the session idle past the cut-off
+    # gives it, leading chunks first, and they are dropped (the waiting request would wait
+    # for their copies; the predictor gives them no chance to save anything); the session
+    # that may still return keeps the device
+    policy = CostPolicy(kv.slow_model())
+    old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
+    size = old.chunks[0].size_bytes
+    v = kv.view([old, young], _full_device(kv, old, young), bytes_needed=400 * 10**6)
+    actions = policy.decide(v, 3650.0)
+    where = kv.placement(v, actions)
+    assert not kv.changes(a for a in actions if a.session_id == "young")
+    victims = [c.index for c in old.chunks if where["old", c.index] is None]
+    assert victims == list(range(-(-400 * 10**6 // size)))  # just enough, from the front
+    assert all(where["old", c.index] == "device" for c in old.chunks[len(victims) :])
+
+
+def test_kv_idle_past_the_cut_off_age_makes_way_on_the_timer_to_a_lower_tier(kv):
+    # the same device with requests waiting: on the timer nobody waits for a copy, and a
+    # drop from a host with room buys nothing, so the session past the cut-off goes to host,
+    # leading chunks first, before the session that may return gives anything
+    policy = CostPolicy(kv.slow_model())
+    old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
+    queue = QueueView(waiting_requests=4, waiting_tokens=4 * 1024)
+    v = kv.view([old, young], _full_device(kv, old, young), queue=queue)
+    actions = policy.decide(v, 3650.0)
+    where = kv.placement(v, actions)
+    assert not kv.dropped(actions)
+    moved = [c.index for c in old.chunks if where["old", c.index] == "host"]
+    assert moved == list(range(len(moved))) and moved  # from the front
+    if any(where["young", c.index] != "device" for c in young.chunks):
+        assert len(moved) == len(old.chunks)
+
+
+def test_kv_idle_past_the_cut_off_age_makes_way_in_a_full_lower_tier_oldest_first(kv):
+    # host holds two sessions past the cut-off and has 0.39 GB free; a session that may return
+    # is spilled there under pressure: the oldest idle past the cut-off makes way, leading
+    # chunks first, and goes on down to disk, which has room
+    capacity = {"device": 80 * GB, "host": 2 * GB, "disk": 100 * GB}
+    older = kv.session("older", 6144, tier="host", idle_since=0.0)
+    old = kv.session("old", 6144, tier="host", idle_since=100.0)
+    young = kv.session("young", 6144, idle_since=3600.0)
+    spill = sum(c.size_bytes for c in young.chunks)
+    other = capacity["device"] - spill
+    v = kv.view([older, old, young], capacity, other_used={"device": other}, bytes_needed=spill)
+    actions = CostPolicy(kv.slow_model()).decide(v, 3800.0)
+    where = kv.placement(v, actions)
+    assert not kv.dropped(actions)
+    assert all(where["young", c.index] == "host" for c in young.chunks)
+    assert all(where["old", c.index] == "host" for c in old.chunks)
+    size = older.chunks[0].size_bytes
+    short = spill - (capacity["host"] - 2 * len(older.chunks) * size)
+    moved = [c.index for c in older.chunks if where["older", c.index] == "disk"]
+    assert moved == list(range(-(-short // size)))
+    assert all(where["older", c.index] == "host" for c in older.chunks[len(moved) :])
 
 
 def test_scarce_device_and_long_queue_push_idle_kv_off_the_device(kv):

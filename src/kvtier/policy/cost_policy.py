@@ -51,6 +51,10 @@ P(return within that time) * w * L_T' per byte: a session due back in 40 s outra
 ten minutes though neither is likely back in the next interval. Losers try the next tier; a
 chunk no tier takes is dropped. A last pass moves any chunk up into space that is still free
 if that is worth more. The policy runs again every h seconds and re-decides.
+
+Sessions idle past the predictor's cut-off age are not priced: their KV keeps what each tier
+has left after the above and is evicted first when space is needed, oldest idle first
+(`past_cutoff.py`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.policy import past_cutoff
 from kvtier.policy.actions import Action, Drop, Keep, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
@@ -133,7 +138,7 @@ class CostPolicy(RetentionPolicy):
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._state = SessionTable(self.reprice_tolerance)
+        self._state = SessionTable(self.reprice_tolerance, self.predictor.max_age_s)
         self._changes = ViewDiff()
 
     @classmethod
@@ -159,16 +164,28 @@ class CostPolicy(RetentionPolicy):
         chunks = _chunk_table(
             candidates.sessions, candidates.row_session, columns, candidates.weight
         )
-        movable = self._movable(view, chunks)
+        past = self._state.past_cutoff()
+        movable = self._movable(view, chunks, past.held(view.tier_names))
         table = self._priced_table(view, candidates, chunks, now, movable)
-        placed = self._allocate(view, table, movable, now)
-        return _actions(table, placed, self.forms, candidates.keeps, candidates.chunk_keeps)
+        placed, room = self._allocate(view, table, movable, now)
+        # what the priced chunks leave is for the sessions past the cut-off, newest idle first
+        evicted = past_cutoff.evict(past, room, table.tiers, self.model, self.forms, view.pressure)
+        return _actions(
+            table, placed, self.forms, candidates.keeps, candidates.chunk_keeps, evicted
+        )
 
-    def _movable(self, view: PolicyView, chunks: _Table) -> dict[str, int]:
+    def _movable(
+        self, view: PolicyView, chunks: _Table, past: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
         """Bytes per tier the candidates' chunks may be placed in: capacity minus everything
-        else in the tier (negative when over budget even without them)."""
+        else in the tier (negative when over budget even without them) but the chunks of
+        sessions past the cut-off (`past`, bytes per tier), which make way for them."""
         held = chunks.held(view.tier_names)
-        return {t.name: t.capacity_bytes - t.used_bytes + held[t.name] for t in view.tiers}
+        extra = past or {}
+        return {
+            t.name: t.capacity_bytes - t.used_bytes + held[t.name] + extra.get(t.name, 0)
+            for t in view.tiers
+        }
 
     def _fixed_occupancy(self, view: PolicyView, movable: Mapping[str, int]) -> dict[str, float]:
         """Share of each tier held by KV that no policy may move right now."""
@@ -404,8 +421,9 @@ class CostPolicy(RetentionPolicy):
 
     def _allocate(
         self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
-    ) -> np.ndarray:
-        """The column of the tier each chunk gets (-1: dropped)."""
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """The column of the tier each chunk gets (-1: dropped), and the bytes each tier has
+        left after them."""
         available = dict(movable)
         if "device" in available and view.pressure:
             available["device"] -= view.bytes_needed
@@ -473,7 +491,7 @@ class CostPolicy(RetentionPolicy):
         # left)
         room = np.array([float(available[t]) for t in tiers])
         upgrade(np.ascontiguousarray(values), np.ascontiguousarray(size, dtype=float), room, placed)
-        return placed
+        return placed, dict(zip(tiers, room.tolist(), strict=True))
 
 
 def _chunk_table(
@@ -560,33 +578,35 @@ def _actions(
     forms: FormChooser | None,
     keeps: Sequence[Keep],
     chunk_keeps: Sequence[dict[int, Keep]],
+    evicted: tuple[list[Action], list[tuple[int, Action]]] = ([], []),
 ) -> list[Action]:
     """`ledger.placement_actions` for the whole table at once: drops first, then moves out of
     the slowest tiers first, then keeps (one per session left where it is: `keeps`, each
     session's `Keep`; in a session with a change, one per chunk left in place, taken from and
     added to its `chunk_keeps`, so actions that recur are made once). `forms` picks each
-    move's form (None: the chunk's own). Which rows drop, move or stay is found in array
-    passes; only the drops and moves are built one by one (a few per decision), and the
-    chunk keeps of sessions with a change are looked up in their memo by a C-level map."""
+    move's form (None: the chunk's own). `evicted` (drops, and moves keyed by minus their
+    source tier's rank) are those of the sessions past the cut-off (`past_cutoff.evict`),
+    ordered in with these. Which rows drop, move or stay is found in array passes; only the
+    drops and moves are built one by one (a few per decision), and the chunk keeps of
+    sessions with a change are looked up in their memo by a C-level map."""
     sessions = table.sessions
-    if not len(placed):
-        return list(keeps)
     column_of_rank = np.full(len(TIER_RANK), -2)
     for j, tier in enumerate(table.tiers):
         column_of_rank[TIER_RANK[tier]] = j
     current = column_of_rank[table.rank.astype(int)]
     moving = placed != current
+    drops, moves = list(evicted[0]), list(evicted[1])
     if not moving.any():
-        return list(keeps)
+        moves.sort(key=lambda item: item[0])
+        return drops + [move for _, move in moves] + list(keeps)
     row_session, index = table.row_session, table.index
     drop_rows = np.flatnonzero(placed < 0)
-    drops: list[Action] = [
+    drops += [
         Drop(sessions[s].session_id, i)
         for s, i in zip(row_session[drop_rows].tolist(), index[drop_rows].tolist(), strict=True)
     ]
     move_rows = np.flatnonzero(moving & (placed >= 0))
     starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
-    moves: list[tuple[int, Action]] = []
     move_sessions = row_session[move_rows]
     for at, s, i, to, rank in zip(
         (move_rows - starts[move_sessions]).tolist(),  # each row's place in its session

@@ -9,7 +9,8 @@ saves per tier. A decision takes in the sessions whose view changed (`view_diff`
 columns of those that are candidates, and does the rest as array passes over the slots and
 the pool: which sessions are candidates, their order, their chunks' rows, which of them must
 be priced again. Before this, each decision handed out every session's arrays in Python and
-concatenated them.
+concatenated them. Sessions idle past `max_age_s` are not candidates: `past_cutoff` hands
+them out, oldest idle first, for the policy's LRU tail (`past_cutoff.py`).
 
 A session's rows are reused while its view is the same object; a view with as many stored
 chunks or fewer overwrites them in place, a larger one takes fresh rows at the end of the
@@ -19,6 +20,7 @@ pool, and the pool is compacted when it runs out with half of it dead.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -26,6 +28,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvtier.policy.actions import Keep
+from kvtier.policy.past_cutoff import PastCutoff
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
 
@@ -92,10 +95,13 @@ class SessionTable:
     """See the module docstring. `sync` each decision; `stale` / `store` / `values` for the
     pricing of its candidates."""
 
-    def __init__(self, tolerance: float = 0.0) -> None:
+    def __init__(self, tolerance: float = 0.0, max_age_s: float = math.inf) -> None:
         if not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), not {tolerance}")
         self.tolerance = tolerance
+        # sessions idle this long are not candidates: `past_cutoff` hands them out instead
+        self.max_age_s = max_age_s
+        self._past = np.zeros(0, dtype=np.int64)  # their slots, in session-id order
         self._slot: dict[str, int] = {}
         self._ids: list[str] = []  # per slot
         self._views: list[SessionView | None] = []
@@ -263,7 +269,10 @@ class SessionTable:
         unloaded = np.flatnonzero(free & ~self._loaded[:n]).tolist()
         if unloaded:
             self._load(unloaded)
-        order = self._order[(free & (self._count[:n] > 0))[self._order]]
+        holding = free & (self._count[:n] > 0)
+        past = holding & (idle_s >= self.max_age_s)
+        self._past = self._order[past[self._order]]
+        order = self._order[(holding & ~past)[self._order]]
         count = self._count[order]
         return Candidates(
             sessions=_pick(self._views, order),
@@ -274,6 +283,19 @@ class SessionTable:
             row_session=np.repeat(np.arange(len(order)), count),
             keeps=_pick(self._keeps, order),
             chunk_keeps=_pick(self._chunk_keeps, order),
+        )
+
+    def past_cutoff(self) -> PastCutoff:
+        """The sessions the last `sync` found idle past `max_age_s` and holding KV (not among
+        its candidates), oldest idle first, with their chunks' columns."""
+        slots = self._past[np.argsort(self._idle_since[self._past], kind="stable")]
+        count, first = self._count[slots], self._first[slots]
+        rows = ranges(first, count)
+        return PastCutoff(
+            sessions=_pick(self._views, slots),
+            row_session=np.repeat(np.arange(len(slots)), count),
+            position=rows - np.repeat(first, count),
+            columns=self._cols[rows],
         )
 
     def columns(self, candidates: Candidates) -> np.ndarray:

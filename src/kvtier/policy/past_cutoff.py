@@ -1,0 +1,107 @@
+"""The cost policy's LRU tail: KV of sessions idle past the predictor's cut-off age.
+
+The predictor counts a session idle past `max_age_s` as never returning, so its chunks are
+worth nothing by the cost model (no return chance left to save anything) and would be
+dropped. But a drop from a tier with room buys nothing either: the space is paid for anyway,
+and some sessions do come back after the cut-off. So such KV stays where it is, unpriced,
+while its tier has room left after every priced chunk is placed, and it is the first thing
+evicted when space is needed, oldest idle first (within a session, leading chunks first: they
+are the cheapest to recompute). An evicted chunk goes to the next tier down with room left,
+like `offload`'s cascade, where it joins that tier's own such chunks in the same idle order;
+it skips a tier it is cheaper to recompute than to load from (its remaining value there is
+none), and is dropped past the last one. Evicted from the device under pressure it is dropped
+at once: the request that asked for the space waits for every copy off the device, and the
+model gives such a chunk no chance of saving anything to set against that wait (on the timer
+nobody waits, so it is demoted).
+
+These sessions are not priced: the policy's work per decision stays with the sessions that
+may still return, however many sessions an ample pool has seen. They are kept in idle-since
+order by `SessionTable.past_cutoff`, as rows of its chunk pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.policy.actions import Action, Drop, Move
+from kvtier.policy.cost_model import CostModel
+from kvtier.policy.forms import FormChooser
+from kvtier.policy.view import TIER_RANK, SessionView
+from kvtier.tiers.vocab import DEVICE
+
+
+@dataclass(frozen=True)
+class PastCutoff:
+    """The chunks of sessions idle past the cut-off, one row each, in eviction order: oldest
+    idle session first (ties in session-id order), its chunks in index order."""
+
+    sessions: tuple[SessionView, ...]
+    row_session: np.ndarray  # which of `sessions` each row is a chunk of
+    position: np.ndarray  # the chunk's place among its session's stored chunks
+    columns: np.ndarray  # `session_table.COLUMNS`: index, tokens, token_start, bytes, rank
+
+    def held(self, tiers: Sequence[str]) -> dict[str, int]:
+        """Bytes these chunks hold per tier."""
+        by_rank = np.bincount(
+            self.columns[:, 4].astype(int), weights=self.columns[:, 3], minlength=len(TIER_RANK)
+        )
+        return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
+
+
+def evict(
+    past: PastCutoff,
+    room: Mapping[str, float],
+    tiers: Sequence[str],
+    model: CostModel,
+    forms: FormChooser | None,
+    pressure: bool = False,
+) -> tuple[list[Action], list[tuple[int, Action]]]:
+    """(drops, moves keyed by minus their source tier's rank) that fit `past`'s chunks in the
+    `room` each tier has left once the priced chunks are placed (see the module docstring).
+    Nothing when every tier has room for the chunks it holds."""
+    size = past.columns[:, 3]
+    held = past.held(tiers)
+    if all(held[tier] <= room[tier] for tier in tiers):
+        return [], []
+    column_of_rank = np.full(len(TIER_RANK), -1)
+    for j, tier in enumerate(tiers):
+        column_of_rank[TIER_RANK[tier]] = j
+    current = column_of_rank[past.columns[:, 4].astype(int)]
+    target = current.copy()
+    carried = np.zeros(0, dtype=np.int64)  # rows evicted from faster tiers, still looking
+    recompute = None
+    for j, tier in enumerate(tiers):
+        if len(carried):
+            if recompute is None:
+                recompute = model.chunk_recompute_s(past.columns[:, 1], past.columns[:, 2])
+            worth = recompute[carried] > model.load_s(size[carried], tier)
+            candidates = np.sort(np.concatenate([np.flatnonzero(current == j), carried[worth]]))
+        else:
+            candidates = np.flatnonzero(current == j)
+        # the newest idle stay: the longest run from the end of the eviction order that fits
+        newest_first = np.cumsum(size[candidates][::-1])
+        stay = int(np.searchsorted(newest_first, room[tier], side="right"))
+        evicted = candidates[: len(candidates) - stay]
+        target[candidates[len(candidates) - stay :]] = j
+        target[evicted] = -1
+        if pressure and tier == DEVICE:
+            continue  # the waiting request would wait for their copies: dropped
+        carried = np.union1d(carried[~np.isin(carried, candidates)], evicted)
+    target[carried] = -1
+    drops: list[Action] = []
+    moves: list[tuple[int, Action]] = []
+    for r in np.flatnonzero(target != current).tolist():
+        session = past.sessions[past.row_session[r]]
+        chunk = session.stored_chunks()[past.position[r]]
+        to = int(target[r])
+        if to < 0:
+            drops.append(Drop(session.session_id, chunk.index))
+            continue
+        form = chunk.form if forms is None else forms.choose(chunk, tiers[to])
+        moves.append(
+            (-TIER_RANK[chunk.tier], Move(session.session_id, chunk.index, tiers[to], form))
+        )
+    return drops, moves
