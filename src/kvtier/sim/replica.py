@@ -22,8 +22,9 @@ model instead of a model forward, and the engine's policy, restore planner and s
   its end) is one event: its length is summed in closed form.
 - **Finish**: the whole context stays on the device, idle, for the policy to place.
 - **Policy**: on a timer (every `interval_s`, driven by the simulator) and under pressure, on
-  views built from cached per-session views. Moves off the device free the device memory when
-  their copy ends; moves and drops below it are immediate in the store index, and the copies
+  views built from cached per-session views. A decision's moves off the device are copied in
+  the order it issued them, as on one copy stream, and each frees its device memory when its
+  own copy lands; moves and drops below it are immediate in the store index, and the copies
   occupy the target's link. One copy per chunk: a loaded chunk leaves its tier.
 """
 
@@ -142,8 +143,9 @@ class ReplicaChunks:
     """The action executor's target over a replica (`kvtier.policy.executor`): chunks move
     in the size-only store and take time on the target tier's link. As the engine's store
     would, with budgets the policy's obligation: a move that would not fit is dropped instead
-    of overfilling a tier. Spills off the device are batched into one write per tier, issued
-    when the decision's actions are all done; the device frees their bytes when it ends."""
+    of overfilling a tier. Spills off the device are batched into one transfer per tier,
+    issued when the decision's actions are all done, whose chunks land in the order they were
+    moved; the device frees each chunk's bytes when it lands."""
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
