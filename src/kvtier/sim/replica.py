@@ -271,7 +271,7 @@ class Replica:
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
-        self.pending_free = 0  # of those, bytes being spilled (freed when the copy ends)
+        self.pending_free = 0  # of those, bytes being spilled (a chunk frees as its copy lands)
         self.epoch = 0  # changes whenever device memory frees up or new idle KV appears
         self._futile_epoch = -1  # memory epoch of the last pressure call that freed too little
         self.sessions: dict[str, SimSession] = {}
