@@ -47,6 +47,19 @@ class ToHostInt8(RetentionPolicy):
 
 
 @dataclass
+class SpillAllUnderPressure(RetentionPolicy):
+    """Under pressure only, moves every idle chunk off the device to host (a test policy:
+    it spills far more than the waiting request needs, as the engine's headroom does)."""
+
+    name = "spill-all-under-pressure"
+
+    def decide(self, view: PolicyView, now: float) -> list[Action]:
+        if view.reason != "pressure":
+            return []
+        return [Move(s.session_id, None, "host") for s in view.candidates(now)]
+
+
+@dataclass
 class SeesCollector(RetentionPolicy):
     """Records the garbage collector's settings while the run is on (a test policy)."""
 
@@ -160,6 +173,30 @@ def test_write_through_makes_a_demotion_under_pressure_free(write_through):
         spill = model.transfer_s(demoted * chunk_bytes, "host", write=True)
         assert b.ttft_s > model.prefill_s(4000) + 0.5 * spill
         assert host.bytes_written == demoted * chunk_bytes
+
+
+def test_a_request_under_pressure_starts_once_its_need_is_spilled_not_the_whole_spill():
+    """a's 16 chunks fill two thirds of the pool; b needs more than the rest, and the policy
+    spills all 16 to host. The copies land one after another, each freeing its chunk's
+    device memory, so b starts once the chunks it is short of are out, while the others
+    still copy; it would wait for all 16 if the spill freed its memory only at its end."""
+    a_bytes = deployment().kv_bytes(4096)
+    dep = deployment(device_kv_bytes=a_bytes * 3 // 2)
+    model = StepModel(dep.profile, dep.geometry, dep.tp)
+    requests = [request("a", 0, 0.0, 4000, 96), request("b", 0, 100.0, 4000, 1)]
+    config = policy("tests.sim.test_simulator:SpillAllUnderPressure", interval_s=5.0)
+    result = simulate(requests, dep, config)
+    b = result.run.requests[1]
+    chunk_bytes = dep.kv_bytes(256)
+    short = dep.kv_bytes(4001) - (dep.device_kv_bytes - a_bytes)
+    needed = -(-short // chunk_bytes)  # whole chunks, in the order they were issued
+    assert 0 < needed < 16 and result.run.decisions["demote"]["device"] == 16
+    per_chunk = model.transfer_s(chunk_bytes, "host", write=True)
+    assert b.ttft_s == pytest.approx(needed * per_chunk + model.prefill_s(4000), rel=1e-9)
+    waiting_for_all = 16 * per_chunk + model.prefill_s(4000)
+    assert waiting_for_all - b.ttft_s == pytest.approx((16 - needed) * per_chunk, rel=1e-6)
+    host = result.run.tiers["host"]  # the rest of the spill landed in the background
+    assert host.bytes_written == host.resident_bytes == 16 * chunk_bytes
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -22,8 +22,9 @@ model instead of a model forward, and the engine's policy, restore planner and s
   its end) is one event: its length is summed in closed form.
 - **Finish**: the whole context stays on the device, idle, for the policy to place.
 - **Policy**: on a timer (every `interval_s`, driven by the simulator) and under pressure, on
-  views built from cached per-session views. Moves off the device free the device memory when
-  their copy ends; moves and drops below it are immediate in the store index, and the copies
+  views built from cached per-session views. A decision's moves off the device are copied in
+  the order it issued them, as on one copy stream, and each frees its device memory when its
+  own copy lands; moves and drops below it are immediate in the store index, and the copies
   occupy the target's link. One copy per chunk: a loaded chunk leaves its tier.
 """
 
@@ -142,8 +143,9 @@ class ReplicaChunks:
     """The action executor's target over a replica (`kvtier.policy.executor`): chunks move
     in the size-only store and take time on the target tier's link. As the engine's store
     would, with budgets the policy's obligation: a move that would not fit is dropped instead
-    of overfilling a tier. Spills off the device are batched into one write per tier, issued
-    when the decision's actions are all done; the device frees their bytes when it ends."""
+    of overfilling a tier. Spills off the device are batched into one transfer per tier,
+    issued when the decision's actions are all done, whose chunks land in the order they were
+    moved; the device frees each chunk's bytes when it lands."""
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
@@ -196,12 +198,12 @@ class ReplicaChunks:
             moved = replica.store.demote(chunk.id, to=tier)
             session.tiers[index] = tier if moved else None
             if moved:
-                replica._write(tier, [size], None)
+                replica._write(tier, [size])
         else:  # re-encoded on the way down: the size-only store holds the new size
             replica.store.delete(chunk.id)
             if replica.store.put(chunk, Payload.sized(stored), tier=tier):
                 self._stored(session, index, tier, form, stored)
-                replica._write(tier, [stored], None)
+                replica._write(tier, [stored])
             else:
                 replica._drop_chunk(session, index)
         return None
@@ -216,11 +218,8 @@ class ReplicaChunks:
         self.replica._drop_chunk(self.replica.sessions[session_id], index)
 
     def flush(self) -> None:
-        replica = self.replica
         for tier, spills in self.spills.items():
-            written, freed = (list(column) for column in zip(*spills, strict=True))
-            # the device frees the chunks' own bytes once their (maybe smaller) copies land
-            replica._write(tier, written, partial(replica._spilled, sum(freed)))
+            self.replica._spill(tier, spills)
         self.spills = {}
 
 
@@ -272,7 +271,7 @@ class Replica:
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
-        self.pending_free = 0  # of those, bytes being spilled (freed when the copy ends)
+        self.pending_free = 0  # of those, bytes being spilled (a chunk frees as its copy lands)
         self.epoch = 0  # changes whenever device memory frees up or new idle KV appears
         self._futile_epoch = -1  # memory epoch of the last pressure call that freed too little
         self.sessions: dict[str, SimSession] = {}
@@ -553,22 +552,37 @@ class Replica:
             self._start_phase(r, phase + 1)
         self._kick()
 
-    def _write(self, tier: str, sizes: Sequence[int], then: Callable[..., None] | None) -> None:
+    def _write(self, tier: str, sizes: Sequence[int]) -> None:
+        """Copy chunks into a tier in the background: nothing waits for them."""
         link = self.model.paths[tier].write
         work = sum(sizes) + len(sizes) * link.latency_s * link.bandwidth
         self.in_flight += 1
-        self.write[tier].submit(work, self._written, then, sum(sizes))
+        self.write[tier].submit(work, self._written)
 
-    def _written(self, then: Callable[[int], None] | None, nbytes: int) -> None:
+    def _written(self) -> None:
         self.in_flight -= 1
-        if then is not None:
-            then(nbytes)
 
-    def _spilled(self, freed: int, _written: int) -> None:
-        """A batch of spills landed: the device frees what the chunks took there (`freed`),
-        which is more than was written for chunks stored in a smaller form."""
-        self.pending_free -= freed
-        self.used -= freed
+    def _spill(self, tier: str, spills: Sequence[tuple[int, int]]) -> None:
+        """Copy one decision's chunks off the device, `(bytes written, device bytes freed)`
+        each, as an engine does: issued in order on one copy stream, they land in that order,
+        and each chunk's device memory is free once its own copy has landed. So a request
+        waiting under pressure starts once the first `bytes_needed` are out, while the rest
+        of the spill (the headroom) still copies."""
+        link = self.model.paths[tier].write
+        per_op = link.latency_s * link.bandwidth
+        self.in_flight += 1
+        freed = [size for _, size in spills]
+        self.write[tier].submit_in_order(
+            [written + per_op for written, _ in spills], partial(self._spilled, freed)
+        )
+
+    def _spilled(self, freed: Sequence[int], part: int) -> None:
+        """Chunk `part` of a spill landed: the device frees what it took there, which is more
+        than was written for a chunk stored in a smaller form."""
+        if part == len(freed) - 1:
+            self.in_flight -= 1
+        self.pending_free -= freed[part]
+        self.used -= freed[part]
         self.epoch += 1
         self._kick()
 
@@ -854,7 +868,7 @@ class Replica:
             self._add_copy(session, i)
             written.append(size)
         if written:
-            self._write(self.top_tier, written, None)
+            self._write(self.top_tier, written)
 
     def _add_copy(self, session: SimSession, i: int) -> None:
         session.copied[i] = True
