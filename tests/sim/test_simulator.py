@@ -117,25 +117,6 @@ def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(sm
     assert result.run.decisions["demote"]["device"] == 16 + 17
 
 
-def test_a_resumed_turn_behind_a_long_step_loads_what_it_would_have_recomputed(small):
-    # the turn above, arriving 0.1 s into another conversation's 8,000-token prefill step: its
-    # recompute could only start when that step ends, long after the loads land, so the
-    # planner loads everything and the new tokens join the first step after it (on an idle
-    # GPU's price it recomputed chunk 0 in that step and paid one more for the new tokens)
-    model = StepModel(small.profile, small.geometry, small.tp)
-    first = request("s", 0, 0.0, 4000, 96)
-    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
-    other = request("o", 0, 599.9, 8000, 50)
-    config = policy("tests.sim.test_simulator:ToHost", interval_s=5.0)
-    result = simulate([first, other, second], small, config)
-    resumed = next(r for r in result.run.requests if r.request_id == "s/1")
-    long_step = model.prefill_s(8000)
-    assert long_step - 0.1 > 16 * model.transfer_s(256 * small.bytes_per_token, "host")
-    assert resumed.restored_tokens == {"host": 4096}
-    joined = model.step_s(1, 8001, [(104, 4096)])  # with the other turn's first decode
-    assert resumed.ttft_s == pytest.approx(599.9 + long_step - 600.0 + joined, rel=1e-9)
-
-
 def test_a_chunk_moved_as_int8_holds_fewer_bytes_and_pays_its_decode_on_restore(small):
     model = StepModel(small.profile, small.geometry, small.tp)
     cost = small_cost_model(small)

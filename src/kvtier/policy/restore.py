@@ -72,15 +72,9 @@ class _Costs:
         return max((i for i, c in enumerate(self.chunks) if c.tier is None), default=-1)
 
 
-def plan_restore(
-    chunks: Sequence[ChunkView], model: CostModel, gpu_wait_s: float = 0.0
-) -> RestorePlan:
+def plan_restore(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
     """The fastest plan over every split; ties go to the one that recomputes less, since
-    recompute takes GPU time from other requests and loading does not.
-
-    `gpu_wait_s` is the GPU work that runs before this turn's first recompute (the rest of
-    the step under way, prefills queued ahead of it): recomputes start after it, loads start
-    now, and the turn's prompt waits for it whatever the split."""
+    recompute takes GPU time from other requests and loading does not."""
     costs = _Costs.of(chunks, model)
     n = len(costs.chunks)
     compute_prefix = [0.0, *accumulate(costs.compute)]
@@ -88,12 +82,12 @@ def plan_restore(
     best_split, best_seconds = 0, math.inf
     for split in range(n + 1):
         if split > costs.last_missing:
-            seconds = max(gpu_wait_s + compute_prefix[split], load_suffix[split])
+            seconds = max(compute_prefix[split], load_suffix[split])
         else:
-            seconds = _schedule(costs, split, gpu_wait_s)[2]
+            seconds = _schedule(costs, split)[2]
         if seconds < best_seconds:
             best_split, best_seconds = split, seconds
-    return _plan(costs, best_split, gpu_wait_s)
+    return _plan(costs, best_split)
 
 
 def pure_load(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
@@ -107,8 +101,8 @@ def pure_recompute(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan
     return _plan(costs, len(costs.chunks))
 
 
-def _plan(costs: _Costs, split: int, gpu_wait_s: float = 0.0) -> RestorePlan:
-    recompute, loads, seconds = _schedule(costs, split, gpu_wait_s)
+def _plan(costs: _Costs, split: int) -> RestorePlan:
+    recompute, loads, seconds = _schedule(costs, split)
     n = len(costs.chunks)
     kind: PlanKind = "load" if split == 0 else "recompute" if split == n else "bidirectional"
     index = [chunk.index for chunk in costs.chunks]
@@ -123,12 +117,8 @@ def _plan(costs: _Costs, split: int, gpu_wait_s: float = 0.0) -> RestorePlan:
     )
 
 
-def _schedule(
-    costs: _Costs, split: int, gpu_wait_s: float = 0.0
-) -> tuple[list[int], list[int], float]:
-    """(positions to recompute, positions to load in issue order, makespan) for a split: when
-    the history is on the device and the GPU, free of the `gpu_wait_s` ahead, can take the
-    prompt."""
+def _schedule(costs: _Costs, split: int) -> tuple[list[int], list[int], float]:
+    """(positions to recompute, positions to load in issue order, makespan) for a split."""
     chunks = costs.chunks
     recompute = [
         i for i, c in enumerate(chunks) if (i < split and c.tier != DEVICE) or c.tier is None
@@ -143,7 +133,7 @@ def _schedule(
     for i in early + late:
         link += costs.load[i]
         arrival[i] = link
-    gpu = gpu_wait_s
+    gpu = 0.0
     ready = 0.0  # when every early load before the current chunk has arrived
     early_iter = iter(early)
     pending = next(early_iter, None)

@@ -134,15 +134,6 @@ class SimRequest:
             if self.segment < len(self.segments):
                 self.cursor = self.segments[self.segment][0]
 
-    def owed(self) -> list[tuple[int, int]]:
-        """Token ranges still to prefill: planned segments, or the new prompt before a plan."""
-        if not self.committed:
-            return [(self.valid, self.prompt)]
-        rest = self.segments[self.segment :]
-        return [
-            (self.cursor, end) if i == 0 else (start, end) for i, (start, end, _) in enumerate(rest)
-        ]
-
     @property
     def prefill_done(self) -> bool:
         return self.segment >= len(self.segments)
@@ -297,8 +288,6 @@ class Replica:
         self.decode_count = 0  # decode steps so far
         self.decode_context = 0  # keys the running decodes attend to at the next step
         self.busy = False
-        self.step_end = 0.0  # when the step under way (or the run of decode steps) ends
-        self.in_step: dict[SimRequest, int] = {}  # prefill tokens the step under way runs
         self._timer_due = False  # a timer tick came while idle: run it after the next step
         self.in_flight = 0  # transfers running
         self.steps = 0
@@ -460,23 +449,8 @@ class Replica:
             ChunkView(i, *r.session.chunk_range(i), tier, r.session.sizes[i], r.session.forms[i])
             for i, tier in enumerate(tiers)
         ]
-        plan = plan_restore(chunks, self.cost_model, self._gpu_wait(r))
+        plan = plan_restore(chunks, self.cost_model)
         return set(plan.recompute), plan.loads
-
-    def _gpu_wait(self, r: SimRequest) -> float:
-        """GPU time before `r`'s first recompute can run: the rest of the step under way,
-        then the prefill still owed by the requests ahead of it (FCFS). Recomputes wait for
-        it while loads do not, so a busy GPU makes loading the better side to lean on."""
-        wait = self.step_end - self.loop.now if self.busy else 0.0
-        for other in itertools.chain(self.prefilling, self.waiting):
-            if other is r:
-                break
-            running = self.in_step.get(other, 0) if self.busy else 0  # priced in the step
-            for start, end in other.owed():
-                skip = min(running, end - start)
-                running -= skip
-                wait += self.cost_model.chunk_recompute_s(end - start - skip, start + skip)
-        return max(0.0, wait)
 
     def _commit(self, r: SimRequest, plan: tuple[set[int], Sequence[int]]) -> None:
         """Take the plan: the session's KV is in use from here (no policy moves it), and the
@@ -651,8 +625,6 @@ class Replica:
             if math.isfinite(horizon):
                 steps = self.model.decode_steps_within(decodes, self.decode_context, horizon, limit)
             duration, last = self.model.decode_run_s(decodes, self.decode_context, steps)
-        self.step_end = now + duration
-        self.in_step = {r: tokens for r, tokens, _ in chunks}
         self.loop.at(now + duration, self._step_end, chunks, steps, duration, last)
 
     def _stuck(self) -> bool:
