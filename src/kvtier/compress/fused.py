@@ -31,31 +31,17 @@ from __future__ import annotations
 
 import sys
 
-import numba
 import numpy as np
 import torch
 
 from kvtier.compress.quant import Quantized
+from kvtier.jit import compiled
 
 # what torch's vectorised float32 -> bfloat16 cast writes for any NaN (at::vec)
 _NAN_BF16 = 0xFFFF
 
 
-def _compiled(signature: str, **options):
-    """numba.njit with the on-disk cache, or without it where numba finds no writable
-    directory for one (a read-only install and no writable home): then each process
-    compiles the kernels anew, as the first one would."""
-
-    def compile_(func):
-        try:
-            return numba.njit(signature, nogil=True, cache=True, **options)(func)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(signature, nogil=True, **options)(func)
-
-    return compile_
-
-
-@_compiled("uint16(float32)", inline="always")
+@compiled("uint16(float32)", inline="always")
 def _bf16_bits(value):  # pragma: no cover - compiled
     bits = np.float32(value).view(np.uint32)
     if value != value:
@@ -63,7 +49,7 @@ def _bf16_bits(value):  # pragma: no cover - compiled
     return np.uint16((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16)
 
 
-@_compiled("void(uint64[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint16[:,:,:,:,::1])")
+@compiled("void(uint64[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint16[:,:,:,:,::1])")
 def _keys(words, step, minimum, out):  # pragma: no cover - compiled
     """words [n, heads, dim, groups, words_per_group] (16 codes each); step and minimum
     [n, heads, groups, dim]; out: the chunk [n, K|V, heads, tokens, dim], keys written."""
@@ -85,7 +71,7 @@ def _keys(words, step, minimum, out):  # pragma: no cover - compiled
                             row[d] = _bf16_bits(code * s[d] + m[d])
 
 
-@_compiled("void(uint8[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint32[:,:,:,:,::1])")
+@compiled("void(uint8[:,:,:,:,::1], float32[:,:,:,::1], float32[:,:,:,::1], uint32[:,:,:,:,::1])")
 def _values(codes, step, minimum, out):  # pragma: no cover - compiled
     """codes [n, heads, tokens, groups, group_bytes]; step and minimum [n, heads, tokens,
     groups]; out: the chunk [n, K|V, heads, tokens, dim / 2] as pairs of bfloat16, values

@@ -28,24 +28,12 @@ writable), so no decision waits for the compiler.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-
-def _compiled(signature: str):
-    """numba.njit with the on-disk cache, or without it where numba finds no writable
-    directory for one (then each process compiles the kernel anew, as the first one did)."""
-
-    def compile_(func):
-        try:
-            return numba.njit(signature, nogil=True, cache=True)(func)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(signature, nogil=True)(func)
-
-    return compile_
+from kvtier.jit import compiled
 
 
-@_compiled(
+@compiled(
     "void(float64[:,::1], float64[::1], float64[::1], float64[:,::1], float64[:,::1],"
     " int64[::1], int64[::1], int64[::1], int64[::1], float64[:,::1], float64[:,::1])"
 )
@@ -103,7 +91,7 @@ def induction(  # pragma: no cover - compiled
         first = end
 
 
-@_compiled("void(float64[:,::1], float64[::1], float64[::1], int64[::1])")
+@compiled("void(float64[:,::1], float64[::1], float64[::1], int64[::1])")
 def upgrade(values, size, room, placed):  # pragma: no cover - compiled
     """Move chunks up into space still free where that is worth more, in row order: row r
     (values[r] per tier column, `size[r]` bytes, in column placed[r], -1 dropped: worth 0)
@@ -139,7 +127,7 @@ def upgrade(values, size, room, placed):  # pragma: no cover - compiled
                 break
 
 
-@_compiled("void(float64[::1], float64[::1], float64, float64, float64[::1])")
+@compiled("void(float64[::1], float64[::1], float64, float64, float64[::1])")
 def cumulative_masses(counts, base, weight, total, out):  # pragma: no cover - compiled
     """out = [0, cumsum((counts + weight * base) / total)], the sum taken left to right as
     numpy's `cumsum` does."""
