@@ -13,7 +13,7 @@ the cut-off has been idle at least its age, and the sessions that will never com
 among them. Learning from finished gaps alone is biased towards short ones (a run shorter than
 the cut-off never sees a "no return" at all, so every idle session looks due back), which
 made the predictions overconfident: on the `multiclass` preset, predicted 0.45 -> observed
-0.03. A key's distribution is the actuarial life table over both (`_life_table`).
+0.03. A key's distribution is the actuarial life table over both (`kernels.life_table`).
 
 Before data arrives a prior stands in, blended by pseudo-counts: a key's bin masses are its
 counts plus `weight` pseudo-sessions spread like the pooled histogram of all keys, and the pooled
@@ -60,7 +60,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvtier.policy.kernels import cumulative_masses
+from kvtier.policy.kernels import cumulative_masses, life_table
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -205,7 +205,7 @@ class ReusePredictor:
         Counting only finished gaps would take the short ones for the whole story
         (right-censoring: a session's last turn is counted as "no return" an hour later, if the
         run lasts that long), so a key's distribution is the life-table estimate over both
-        (`_life_table`)."""
+        (`kernels.life_table`)."""
         ages = {key: found[found < self.max_age_s] for key, found in running.items()}
         ages = {key: found for key, found in ages.items() if len(found)}
         bins = len(self.edges) - 1
@@ -462,21 +462,16 @@ class ReusePredictor:
             # the prior is `weight` pseudo-sessions, every gap of theirs finished
             weight = self.prior.weight
             censored = self._censored.get(key)
+            total = histogram.total + weight
+            cdf = np.empty(len(base) + 1)
             if censored is None or not censored.any():
-                total = histogram.total + weight
-                cdf = np.empty(len(base) + 1)
                 # _from_zero((counts + weight * base) / total), compiled: rebuilt after every
                 # return
                 cumulative_masses(histogram.counts, base, float(weight), total, cdf)
                 no_return = (histogram.no_return + weight * base_none) / total
             else:
-                masses, no_return = _life_table(
-                    histogram.counts + weight * base,
-                    histogram.no_return + weight * base_none,
-                    histogram.total + weight,
-                    censored,
-                )
-                cdf = _from_zero(masses)
+                # the life table over finished and running gaps, compiled as well
+                no_return = life_table(histogram.counts, base, float(weight), total, censored, cdf)
             self._cache[key] = (cdf, no_return)
         return self._cache[key]
 
@@ -498,27 +493,6 @@ def _from_zero(masses: np.ndarray) -> np.ndarray:
     out[0] = 0.0
     np.cumsum(masses, out=out[1:])
     return out
-
-
-def _life_table(
-    counts: np.ndarray, no_return: float, total: float, censored: np.ndarray | None
-) -> tuple[np.ndarray, float]:
-    """(probability of each bin, of no return) from finished gaps (`counts` per bin and
-    `no_return`, `total` of both) and the gaps still running (`censored`: idle sessions per
-    bin of their age), by the actuarial life table (Kaplan and Meier, JASA 1958; Cutler and
-    Ederer, J Chronic Dis 1958): the hazard in bin b is the returns in it over the sessions
-    at risk when it starts, less half of those censored within it. Where few sessions are at
-    risk (ages no running gap has reached yet), the prior's pseudo-sessions in `counts` set
-    the hazard. Without censored sessions it is `counts / total`."""
-    if censored is None or not censored.any():
-        return counts / total, no_return / total
-    seen = total + float(censored.sum())
-    left = np.concatenate([[0.0], np.cumsum(counts + censored)[:-1]])
-    at_risk = seen - left - censored / 2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        hazard = np.where(at_risk > 0, np.minimum(counts / at_risk, 1.0), 0.0)
-    survival = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
-    return survival[:-1] * hazard, float(survival[-1])
 
 
 def _same_counts(a: dict[Key | None, np.ndarray], b: dict[Key | None, np.ndarray]) -> bool:
