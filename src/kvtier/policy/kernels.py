@@ -150,20 +150,19 @@ def life_table(counts, base, weight, total, censored, out):  # pragma: no cover 
     running sum of each bin's probability]; returns P(no return). The hazard of bin b is its
     returns over the sessions at risk when it starts, less half of those censored inside it;
     a bin nobody is at risk in has none."""
-    n = len(counts)
-    running = 0.0
-    for i in range(n):
-        running += censored[i]  # whole counts: exact in any order
-    seen = total + running
+    still_idle = 0.0
+    for i in range(len(counts)):
+        still_idle += censored[i]  # whole counts: exact in any order
+    seen = total + still_idle
     out[0] = 0.0
     left = 0.0  # gaps that ended (or were censored) in the bins before this one
     survival = 1.0
-    for i in range(n):
+    # 0.0 + x is x, so the running sums start as numpy's cumsum does, with the first term
+    for i in range(len(counts)):
         finished = counts[i] + weight * base[i]
         at_risk = seen - left - censored[i] / 2
         hazard = min(finished / at_risk, 1.0) if at_risk > 0 else 0.0
-        mass = survival * hazard
-        out[i + 1] = mass if i == 0 else out[i] + mass
+        out[i + 1] = out[i] + survival * hazard
         survival = survival * (1.0 - hazard)
-        left = finished + censored[i] if i == 0 else left + (finished + censored[i])
+        left += finished + censored[i]
     return survival

@@ -206,13 +206,13 @@ class ReusePredictor:
         (right-censoring: a session's last turn is counted as "no return" an hour later, if the
         run lasts that long), so a key's distribution is the life-table estimate over both
         (`kernels.life_table`)."""
-        ages = {key: found[found < self.max_age_s] for key, found in running.items()}
-        ages = {key: found for key, found in ages.items() if len(found)}
         bins = len(self.edges) - 1
         censored: dict[Key | None, np.ndarray] = {}
-        for key, found in ages.items():
-            at = np.searchsorted(self.edges, found, side="right") - 1
-            censored[key] = np.bincount(at, minlength=bins).astype(float)
+        for key, ages in running.items():
+            ages = ages[ages < self.max_age_s]
+            if len(ages):
+                at = np.searchsorted(self.edges, ages, side="right") - 1
+                censored[key] = np.bincount(at, minlength=bins).astype(float)
         if censored:
             censored[None] = np.sum(list(censored.values()), axis=0)
         if not _same_counts(censored, self._censored):
@@ -464,7 +464,7 @@ class ReusePredictor:
             censored = self._censored.get(key)
             total = histogram.total + weight
             cdf = np.empty(len(base) + 1)
-            if censored is None or not censored.any():
+            if censored is None:  # `censor` keeps only keys with a gap running
                 # _from_zero((counts + weight * base) / total), compiled: rebuilt after every
                 # return
                 cumulative_masses(histogram.counts, base, float(weight), total, cdf)

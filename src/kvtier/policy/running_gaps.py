@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvtier.policy.predictor import Key
 from kvtier.policy.view_diff import Changes
-
-Key = tuple[str, str]  # (tenant, app_class), as the predictor keys its histograms
 
 
 class RunningGaps:
