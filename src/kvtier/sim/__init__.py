@@ -7,5 +7,6 @@ index, in simulated time on a hardware profile instead of a model forward. See d
 - `deployment.py`: model x hardware x replicas x tier budgets x scheduler knobs
 - `events.py`, `channel.py`: the event heap, links shared by concurrent transfers
 - `session.py`, `replica.py`, `simulator.py`: conversations, one replica, a whole run
-- `sweep.py`: where each policy wins; `command.py`: `kvtier simulate`
+- `sweep.py`: where each policy wins; `seeds.py`: how far one seed's verdict holds;
+  `command.py`: `kvtier simulate`
 """

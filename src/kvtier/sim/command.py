@@ -9,6 +9,7 @@ Examples:
   kvtier simulate --workload default --workload-set sessions=10000 --workload-set mean_turns=10
   kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 --hardware h100-sxm,l40s \\
       --device-kv-bytes 40GB --host-bytes 256GB
+  kvtier simulate seeds --workload multiclass --seeds 0-9 --policies retain,offload,ttl,cost
   kvtier simulate --workload demo --hardware local-cpu --timer-after-steps --shared-prefixes \\
       --validate --against out/bench/results.json  # set up like that bench run, compare
 """
@@ -61,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 3)[3]
     parser.add_argument(
-        "action", nargs="?", default="run", choices=("run", "sweep"), help="run (default) or sweep"
+        "action",
+        nargs="?",
+        default="run",
+        choices=("run", "sweep", "seeds"),
+        help="run (default), sweep, or seeds (the same run at several workload seeds)",
     )
     add_workload_arguments(parser, default=DEFAULTS["workload"])
     pol = parser.add_argument_group("policies")
@@ -141,6 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
     sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
     sw.add_argument("--sessions", type=int, default=60, help="sessions per sweep cell (60)")
+    sd = parser.add_argument_group("seeds")
+    sd.add_argument(
+        "--seeds", default="0-4", help="workload seeds, e.g. 0-9 or 0,3,7 (default 0-4)"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=DEFAULT_OUT, help=f"result folder ({DEFAULT_OUT})")
     out.add_argument("--no-plots", action="store_true", help="skip the HTML report and PNGs")
@@ -169,9 +178,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.validate and not args.against:
         raise KvtierError("--validate needs --against PATH (a kvtier bench results.json)")
+    if args.action == "seeds" and (args.against or args.lengths_from):
+        raise KvtierError("simulate seeds takes neither --against nor --lengths-from")
     measured = _settle(args)
     if args.action == "sweep":
         return _sweep(args)
+    if args.action == "seeds":
+        return _seeds(args)
     from kvtier.results.bill import money_notes
     from kvtier.results.report import (
         markdown,
@@ -402,6 +415,46 @@ def _sweep(args: argparse.Namespace) -> int:
     paths = write_sweep(sweep, args.out, plots=not args.no_plots)
     print(markdown(sweep))
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _seeds(args: argparse.Namespace) -> int:
+    from kvtier.results.report import to_document, write_results
+    from kvtier.sim.console import setup_lines
+    from kvtier.sim.seeds import markdown, parse_seeds, run_seeds, write_seeds
+    from kvtier.workload.flags import PRESET_NAMES
+
+    seeds = parse_seeds(args.seeds)
+    if args.workload not in PRESET_NAMES:
+        raise KvtierError(
+            f"simulate seeds needs a generator preset ({', '.join(PRESET_NAMES)}): a trace "
+            "replays the same requests whatever the seed"
+        )
+    deployment = _deployment(args, args.hardware)
+    names = _names(args.policies)
+    out = Path(args.out)
+
+    def requests(seed: int) -> list[Request]:
+        args.seed = seed
+        return _requests(args)
+
+    def keep(seed: int, runs: list[Any]) -> None:
+        config = {
+            "workload": args.workload,
+            "workload_set": args.workload_set,
+            "seed": seed,
+            "policy_set": args.policy_set,
+            **deployment.describe(),
+        }
+        write_results(out / f"seed-{seed}", to_document("simulate", config, runs), runs)
+
+    print("\n".join(setup_lines(deployment, requests(seeds[0]), names)))
+    document = run_seeds(
+        seeds, requests, deployment, names, lambda n: _policy_config(args, n), print, keep
+    )
+    paths = write_seeds(document, out)
+    print(markdown(document))
+    print(f"wrote {', '.join(str(p) for p in paths)} and each seed's results in {out}/seed-N/")
     return 0
 
 

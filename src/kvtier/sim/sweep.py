@@ -29,6 +29,7 @@ from kvtier.workload.presets import preset_config
 SCHEMA = "kvtier.sweep/1"
 FIXED_POLICIES = ("retain", "offload", "ttl")  # the rules `cost` must match or beat
 RESUMED_FIELDS = ("resumed_mean_ms", "resumed_p50_ms", "resumed_p99_ms")
+CELL = ("hardware", "resume_share", "context")  # what tells a sweep's cells apart
 # (summary field, label, True when higher is better)
 METRICS = (
     ("median_ttft_ms", "TTFT p50", False),
@@ -105,14 +106,17 @@ def run_sweep(
 def _row(
     hardware: str, resume_share: float, context: int, policy: str, run: RunRecords
 ) -> dict[str, Any]:
+    cell = {"hardware": hardware, "resume_share": resume_share, "context": context}
+    return {**cell, **metrics_row(policy, run)}
+
+
+def metrics_row(policy: str, run: RunRecords) -> dict[str, Any]:
+    """One run's figures that the tables compare: latencies, resumed turns, bytes moved."""
     s = summarize(run)
     kinds = s["ttft_by_turn_kind"]
     turns = sum(kinds[k]["count"] for k in kinds)
     traffic = s["tier_bytes"].values()
     return {
-        "hardware": hardware,
-        "resume_share": resume_share,
-        "context": context,
         "policy": policy,
         "resumed_share": kinds["resumed"]["count"] / turns if turns else 0.0,
         "completed": s["completed"],
@@ -173,25 +177,21 @@ def versus(
     rows: Sequence[Mapping[str, Any]],
     challenger: str = "cost",
     fixed: Sequence[str] = FIXED_POLICIES,
+    cell: Sequence[str] = CELL,
 ) -> list[dict[str, Any]]:
-    """Per cell: `challenger`'s resumed TTFT (mean, p50, p99) over the best fixed policy's on
-    each (1.05 = 5% slower), and its bytes moved over `offload`'s. Empty when the grid lacks
-    the challenger or every fixed policy."""
-    cells: dict[tuple[str, float, int], dict[str, Mapping[str, Any]]] = {}
+    """Per cell (rows with the same values of the `cell` fields): `challenger`'s resumed TTFT
+    (mean, p50, p99) over the best fixed policy's on each (1.05 = 5% slower), and its bytes
+    moved over `offload`'s. Empty when the rows lack the challenger or every fixed policy."""
+    cells: dict[tuple[Any, ...], dict[str, Mapping[str, Any]]] = {}
     for row in rows:
-        key = (row["hardware"], row["resume_share"], row["context"])
-        cells.setdefault(key, {})[row["policy"]] = row
+        cells.setdefault(tuple(row[f] for f in cell), {})[row["policy"]] = row
     out = []
-    for (hardware, resume_share, context), by_policy in cells.items():
+    for key, by_policy in cells.items():
         baselines = [by_policy[name] for name in fixed if name in by_policy]
         if challenger not in by_policy or not baselines:
             continue
         mine = by_policy[challenger]
-        entry: dict[str, Any] = {
-            "hardware": hardware,
-            "resume_share": resume_share,
-            "context": context,
-        }
+        entry: dict[str, Any] = dict(zip(cell, key, strict=True))
         for field in RESUMED_FIELDS:
             best = min(baselines, key=lambda r: (r["failed"], r[field]))
             entry[field] = _ratio(mine[field], best[field])

@@ -1,0 +1,117 @@
+"""`kvtier simulate seeds`: one preset at several workload seeds, end to end and its tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.errors import KvtierError
+from kvtier.sim.seeds import best_counts, parse_seeds, rule, spread
+from tests.sim.test_command import SMALL, simulate
+
+QUICK = ("--workload", "quick", "--workload-set", "sessions=8")
+
+
+def test_each_seed_is_the_run_that_seed_gives_alone(tmp_path, capsys):
+    out = tmp_path / "seeds"
+    policies = ("--policies", "retain,offload,cost")
+    assert simulate("seeds", *QUICK, "--seeds", "0,3", *policies, "--out", str(out), *SMALL) == 0
+    document = json.loads((out / "seeds.json").read_text())
+    assert document["seeds"] == [0, 3]
+    assert [(r["seed"], r["policy"]) for r in document["rows"]] == [
+        (seed, name) for seed in (0, 3) for name in ("retain", "offload", "cost")
+    ]
+    for seed in (0, 3):
+        alone = tmp_path / f"alone-{seed}"
+        assert simulate(*QUICK, "--seed", str(seed), *policies, "--out", str(alone), *SMALL) == 0
+        runs = json.loads((alone / "results.json").read_text())["runs"]
+        kept = json.loads((out / f"seed-{seed}" / "results.json").read_text())
+        assert kept["config"]["seed"] == seed
+        for run in runs:
+            resumed = run["summary"]["ttft_by_turn_kind"]["resumed"]
+            [row] = [
+                r for r in document["rows"] if r["seed"] == seed and r["policy"] == run["policy"]
+            ]
+            assert row["resumed_mean_ms"] == pytest.approx(resumed["mean_ms"])
+            assert row["resumed_p99_ms"] == pytest.approx(resumed["p99_ms"])
+    # the two seeds are different workloads, so the spread is a real one
+    means = [r["resumed_mean_ms"] for r in document["rows"] if r["policy"] == "offload"]
+    assert means[0] != means[1]
+    assert document["spread"]["offload"]["resumed_mean_ms"]["min"] == min(means)
+    assert [v["seed"] for v in document["versus"]] == [0, 3]
+    table = (out / "seeds.md").read_text()
+    assert "Over 2 seeds (0, 3)" in table and "| 3 |" in table
+    assert table in capsys.readouterr().out
+
+
+def row(seed: int, policy: str, mean: float, p99: float, failed: int = 0) -> dict:
+    return {
+        "seed": seed,
+        "policy": policy,
+        "failed": failed,
+        "resumed_mean_ms": mean,
+        "resumed_p50_ms": mean,
+        "resumed_p99_ms": p99,
+        "bytes_moved": 0,
+    }
+
+
+def test_best_counts_leave_the_oracle_out_and_count_ties_for_each():
+    rows = [
+        row(0, "offload", 100.0, 400.0),
+        row(0, "cost", 100.4, 500.0),  # within half a percent on the mean: a tie
+        row(0, "oracle", 10.0, 10.0),
+        row(1, "offload", 100.0, 400.0),
+        row(1, "cost", 50.0, 300.0, failed=1),  # faster, but it failed a request
+        row(1, "oracle", 10.0, 10.0),
+    ]
+    counts = best_counts(rows, ["offload", "cost", "oracle"])
+    assert counts["offload"] == {"resumed_mean_ms": 2, "resumed_p50_ms": 2, "resumed_p99_ms": 2}
+    assert counts["cost"] == {"resumed_mean_ms": 1, "resumed_p50_ms": 1, "resumed_p99_ms": 0}
+    assert counts["oracle"] == dict.fromkeys(counts["cost"], 0)
+    assert spread(rows, ["cost"])["cost"]["resumed_p99_ms"] == {
+        "median": 400.0,
+        "min": 300.0,
+        "max": 500.0,
+    }
+
+
+def test_the_rule_counts_seeds_within_five_percent_and_fifteen_ahead():
+    def ratios(seed, mean, p50, p99):
+        return {"seed": seed, "resumed_mean_ms": mean, "resumed_p50_ms": p50, "resumed_p99_ms": p99}
+
+    verdict = rule(
+        [ratios(0, 0.84, 1.0, 1.05), ratios(1, 0.9, 1.06, 0.8), ratios(2, 1.0, 1.0, 1.0)]
+    )
+    assert verdict["seeds"] == 3
+    assert verdict["within"] == 2  # seed 1's p50 is 6% behind
+    assert verdict["ahead"] == 2  # seed 0 on its mean, seed 1 on its p99
+    assert verdict["worst"] == {
+        "resumed_mean_ms": 1.0,
+        "resumed_p50_ms": 1.06,
+        "resumed_p99_ms": 1.05,
+    }
+    assert verdict["median"]["resumed_mean_ms"] == 0.9
+    assert rule([]) == {}
+
+
+def test_seed_lists():
+    assert parse_seeds("0-2,9") == [0, 1, 2, 9]
+    assert parse_seeds(" 4 ") == [4]
+    for bad in ("a", "3-1", "-1", "1,1", "0-2,2", ""):
+        with pytest.raises(KvtierError, match="--seeds takes seeds like 0-9"):
+            parse_seeds(bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--seeds", "x"), "--seeds takes seeds like 0-9"),
+        (("--workload", "nosuch.jsonl"), "simulate seeds needs a generator preset"),
+        (("--against", "results.json"), "takes neither --against nor --lengths-from"),
+    ],
+)
+def test_bad_input_is_one_clear_error(tmp_path, argv, message):
+    with pytest.raises(KvtierError, match=message):
+        simulate("seeds", "--workload", "quick", "--out", str(tmp_path), "--no-plots", *argv)
