@@ -94,6 +94,10 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         "--device-kv-bytes 40GB": Run(("--workload-set", "sessions=60", "--out", "out/sim")),
         "kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 "
         "--hardware h100-sxm,l40s": Run(("--sessions", "20", "--out", "out/sweep")),
+        "kvtier simulate seeds --workload multiclass --seeds 0-4 "
+        "--policies offload,cost,oracle": Run(
+            ("--workload-set", "sessions=40", "--seeds", "0-1", "--out", "out/seeds")
+        ),
         "kvtier calibrate --quick --threads 1": Run(("--out", "out/local-cpu.toml")),
         "kvtier simulate --workload demo --hardware local-cpu --timer-after-steps "
         "--shared-prefixes --validate --against out/bench/results.json": Run(
