@@ -154,7 +154,7 @@ class CostPolicy(RetentionPolicy):
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
-        changes = self._changes.update(view.sessions)  # one pass over the view for all three
+        changes = self._changes.update(view.sessions, view)  # the view's changes, once for all
         events = self._tracker.update(view, now, changes)
         self.predictor.observe(events)
         self._running.update(changes)
