@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import numpy as np
 import pytest
 
-from kvtier.policy.predictor import GapPrior, ReusePredictor
+from kvtier.policy.predictor import GapPrior, Key, ReusePredictor
 from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.tracker import Abandoned, Returned, TurnTracker
 from kvtier.policy.view import PolicyView, SessionView, TierView, TurnView
@@ -305,3 +306,40 @@ def test_running_gaps_follow_the_views_changes():
     # a idle again, from a later turn: only its new gap runs
     running.update(Changes((dataclasses.replace(a, idle_since=95.0),), ()))
     assert running.ages(100.0)[("t", "chat")].tolist() == [5.0]
+
+
+def test_running_gaps_keep_each_keys_idle_sessions_through_many_changes():
+    # sessions come, go idle, return and leave in random order; the arrays (grown, with
+    # sessions taking each other's slots) must always hold exactly the idle ones' ages
+    rng = random.Random(7)
+    running = RunningGaps()
+    idle_since: dict[str, tuple[Key, float]] = {}
+    keys = [("t", "chat"), ("t", "api"), ("u", "chat")]
+    for step in range(300):
+        news: dict[str, SessionView | None] = {}  # None: leaves the view
+        for _ in range(rng.randint(1, 12)):
+            sid = f"s{rng.randrange(80)}"
+            key, roll = keys[int(sid[1:]) % 3], rng.random()
+            if roll < 0.15:
+                news[sid] = None
+            elif roll < 0.6:
+                news[sid] = SessionView(sid, *key, idle_since=float(step - rng.randint(0, 50)))
+            else:
+                news[sid] = SessionView(sid, *key, active=True)
+        changed = tuple(s for s in news.values() if s is not None)
+        left = tuple(sid for sid, s in news.items() if s is None)
+        running.update(Changes(changed, left))
+        for sid in left:
+            idle_since.pop(sid, None)
+        for s in changed:
+            if s.idle:
+                idle_since[s.session_id] = (s.reuse_key, float(s.idle_since))
+            else:
+                idle_since.pop(s.session_id, None)
+        want: dict[Key, list[float]] = {}
+        for key, since in idle_since.values():
+            want.setdefault(key, []).append(max(step + 10.0 - since, 0.0))
+        got = running.ages(step + 10.0)
+        assert {k: sorted(v.tolist()) for k, v in got.items()} == {
+            k: sorted(v) for k, v in want.items()
+        }

@@ -168,6 +168,18 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
         acted = {a.session_id for a in actions}
         assert acted - past == {s.session_id for s in wanted}
         assert all(not isinstance(a, Keep) for a in actions if a.session_id in past)
+        # what they hold per tier is known at once; their chunks, oldest idle first, on demand
+        cutoff = policy._state.past_cutoff()
+        oldest = sorted(
+            (s for s in _expected(v, now) if s.session_id in past),
+            key=lambda s: (s.idle_since, s.session_id),
+        )
+        assert cutoff.held(v.tier_names) == {
+            t: sum(c.size_bytes for s in oldest for c in s.chunks_in(t)) for t in v.tier_names
+        }
+        chunks = cutoff.read()
+        assert chunks.sessions == tuple(oldest)
+        assert chunks.columns.tolist() == [r for s in oldest for r in chunk_columns(s).tolist()]
         for s in wanted:
             kept = policy._state.priced(s.session_id)
             fresh = policy.value(v, s, now)
