@@ -214,6 +214,29 @@ def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
     assert len(table) > 2  # sessions with their own gaps have rows of their own
 
 
+def test_p_reuse_on_shared_grids_of_times_is_p_reuse_cdf_on_each_sessions_own():
+    # schedules that start on one age bin's edge share their times: locating them once per
+    # grid and reading each session's distribution there gives the same bits as pricing
+    # every session's own copy, at edges, inside bins, in bin 0 and past the cut-off
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(11)
+    for i in range(40):
+        for _ in range(4):
+            key = KEY if i % 2 else ("tenant", "api")
+            predictor.record_gap(key, float(rng.lognormal(3.0, 1.5)), session_id=f"s{i}")
+    sessions = [_session(f"s{i}", KEY if i % 2 else ("tenant", "api")) for i in range(60)]
+    table, rows = predictor.cdf_table(sessions)
+    edges = predictor.edges
+    starts = np.concatenate([[0.0, 0.5], edges[[1, 7, 40, 64]], [5000.0]])
+    grid = starts[:, None] + 5.0 * 2.0 ** np.arange(-1, 11)[None, :]
+    horizon = np.maximum(np.minimum(grid * 1.5, 3600.0) - grid, 0.0)
+    at = rng.integers(0, len(starts), len(rows))
+    want = predictor.p_reuse_cdf(table[rows], grid[at], horizon[at])
+    got = predictor.p_reuse_grid(table, rows, at, grid, horizon)
+    assert got.tobytes() == want.tobytes()
+    assert 0.0 < want.max() and (want == 0.0).any()  # both live and empty intervals
+
+
 def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
     """`_cdf_many` divides by each bin's log width taken once per bin: the same bits as the
     formula taken per element, over ages in every bin, past the cut-off and at 0."""
