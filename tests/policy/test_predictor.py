@@ -234,7 +234,7 @@ def test_p_reuse_on_shared_grids_of_times_is_p_reuse_cdf_on_each_sessions_own():
     want = predictor.p_reuse_cdf(table[rows], grid[at], horizon[at])
     got = predictor.p_reuse_grid(table, rows, at, grid, horizon)
     assert got.tobytes() == want.tobytes()
-    assert 0.0 < want.max() and (want == 0.0).any()  # both live and empty intervals
+    assert want.max() > 0.0 and (want == 0.0).any()  # both live and empty intervals
 
 
 def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
