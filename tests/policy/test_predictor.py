@@ -193,17 +193,24 @@ def test_age_floor_steps_at_the_bin_edges():
     assert within[0] == within[1] == within[2]
 
 
-def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
-    # the next interval's chance read entry by entry equals p_reuse_cdf on whole gathered
-    # rows, bit for bit, at ages in bin 0, inside and on bin edges, near and past the cut-off
+def _learned_distributions(seed: int):
+    """A predictor after gaps of two keys, some sessions with gaps of their own, and the
+    distribution table of 60 sessions: (predictor, table, each session's row, the rng)."""
     predictor = ReusePredictor()
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     for i in range(40):
         for _ in range(4):
             key = KEY if i % 2 else ("tenant", "api")
             predictor.record_gap(key, float(rng.lognormal(3.0, 1.5)), session_id=f"s{i}")
     sessions = [_session(f"s{i}", KEY if i % 2 else ("tenant", "api")) for i in range(60)]
     table, rows = predictor.cdf_table(sessions)
+    return predictor, table, rows, rng
+
+
+def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
+    # the next interval's chance read entry by entry equals p_reuse_cdf on whole gathered
+    # rows, bit for bit, at ages in bin 0, inside and on bin edges, near and past the cut-off
+    predictor, table, rows, rng = _learned_distributions(7)
     edges = predictor.edges
     idle = np.concatenate(
         [[0.0, 0.5, edges[7], 3599.0, 3600.0, 5000.0], rng.uniform(0.0, 4000.0, len(rows) - 6)]
@@ -218,14 +225,7 @@ def test_p_reuse_on_shared_grids_of_times_is_p_reuse_cdf_on_each_sessions_own():
     # schedules that start on one age bin's edge share their times: locating them once per
     # grid and reading each session's distribution there gives the same bits as pricing
     # every session's own copy, at edges, inside bins, in bin 0 and past the cut-off
-    predictor = ReusePredictor()
-    rng = np.random.default_rng(11)
-    for i in range(40):
-        for _ in range(4):
-            key = KEY if i % 2 else ("tenant", "api")
-            predictor.record_gap(key, float(rng.lognormal(3.0, 1.5)), session_id=f"s{i}")
-    sessions = [_session(f"s{i}", KEY if i % 2 else ("tenant", "api")) for i in range(60)]
-    table, rows = predictor.cdf_table(sessions)
+    predictor, table, rows, rng = _learned_distributions(11)
     edges = predictor.edges
     starts = np.concatenate([[0.0, 0.5], edges[[1, 7, 40, 64]], [5000.0]])
     grid = starts[:, None] + 5.0 * 2.0 ** np.arange(-1, 11)[None, :]
