@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import numpy as np
 import pytest
 
-from kvtier.policy.predictor import GapPrior, ReusePredictor
+from kvtier.policy.predictor import GapPrior, Key, ReusePredictor
 from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.tracker import Abandoned, Returned, TurnTracker
 from kvtier.policy.view import PolicyView, SessionView, TierView, TurnView
@@ -192,17 +193,24 @@ def test_age_floor_steps_at_the_bin_edges():
     assert within[0] == within[1] == within[2]
 
 
-def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
-    # the next interval's chance read entry by entry equals p_reuse_cdf on whole gathered
-    # rows, bit for bit, at ages in bin 0, inside and on bin edges, near and past the cut-off
+def _learned_distributions(seed: int):
+    """A predictor after gaps of two keys, some sessions with gaps of their own, and the
+    distribution table of 60 sessions: (predictor, table, each session's row, the rng)."""
     predictor = ReusePredictor()
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     for i in range(40):
         for _ in range(4):
             key = KEY if i % 2 else ("tenant", "api")
             predictor.record_gap(key, float(rng.lognormal(3.0, 1.5)), session_id=f"s{i}")
     sessions = [_session(f"s{i}", KEY if i % 2 else ("tenant", "api")) for i in range(60)]
     table, rows = predictor.cdf_table(sessions)
+    return predictor, table, rows, rng
+
+
+def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
+    # the next interval's chance read entry by entry equals p_reuse_cdf on whole gathered
+    # rows, bit for bit, at ages in bin 0, inside and on bin edges, near and past the cut-off
+    predictor, table, rows, rng = _learned_distributions(7)
     edges = predictor.edges
     idle = np.concatenate(
         [[0.0, 0.5, edges[7], 3599.0, 3600.0, 5000.0], rng.uniform(0.0, 4000.0, len(rows) - 6)]
@@ -211,6 +219,22 @@ def test_p_reuse_rows_reads_the_same_numbers_as_the_gathered_rows():
     gathered = predictor.p_reuse_cdf(table[rows], idle[:, None], horizon[:, None])[:, 0]
     assert predictor.p_reuse_rows(table, rows, idle, horizon).tolist() == gathered.tolist()
     assert len(table) > 2  # sessions with their own gaps have rows of their own
+
+
+def test_p_reuse_on_shared_grids_of_times_is_p_reuse_cdf_on_each_sessions_own():
+    # schedules that start on one age bin's edge share their times: locating them once per
+    # grid and reading each session's distribution there gives the same bits as pricing
+    # every session's own copy, at edges, inside bins, in bin 0 and past the cut-off
+    predictor, table, rows, rng = _learned_distributions(11)
+    edges = predictor.edges
+    starts = np.concatenate([[0.0, 0.5], edges[[1, 7, 40, 64]], [5000.0]])
+    grid = starts[:, None] + 5.0 * 2.0 ** np.arange(-1, 11)[None, :]
+    horizon = np.maximum(np.minimum(grid * 1.5, 3600.0) - grid, 0.0)
+    at = rng.integers(0, len(starts), len(rows))
+    want = predictor.p_reuse_cdf(table[rows], grid[at], horizon[at])
+    got = predictor.p_reuse_grid(table, rows, at, grid, horizon)
+    assert got.tobytes() == want.tobytes()
+    assert want.max() > 0.0 and (want == 0.0).any()  # both live and empty intervals
 
 
 def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
@@ -305,3 +329,40 @@ def test_running_gaps_follow_the_views_changes():
     # a idle again, from a later turn: only its new gap runs
     running.update(Changes((dataclasses.replace(a, idle_since=95.0),), ()))
     assert running.ages(100.0)[("t", "chat")].tolist() == [5.0]
+
+
+def test_running_gaps_keep_each_keys_idle_sessions_through_many_changes():
+    # sessions come, go idle, return and leave in random order; the arrays (grown, with
+    # sessions taking each other's slots) must always hold exactly the idle ones' ages
+    rng = random.Random(7)
+    running = RunningGaps()
+    idle_since: dict[str, tuple[Key, float]] = {}
+    keys = [("t", "chat"), ("t", "api"), ("u", "chat")]
+    for step in range(300):
+        news: dict[str, SessionView | None] = {}  # None: leaves the view
+        for _ in range(rng.randint(1, 12)):
+            sid = f"s{rng.randrange(80)}"
+            key, roll = keys[int(sid[1:]) % 3], rng.random()
+            if roll < 0.15:
+                news[sid] = None
+            elif roll < 0.6:
+                news[sid] = SessionView(sid, *key, idle_since=float(step - rng.randint(0, 50)))
+            else:
+                news[sid] = SessionView(sid, *key, active=True)
+        changed = tuple(s for s in news.values() if s is not None)
+        left = tuple(sid for sid, s in news.items() if s is None)
+        running.update(Changes(changed, left))
+        for sid in left:
+            idle_since.pop(sid, None)
+        for s in changed:
+            if s.idle:
+                idle_since[s.session_id] = (s.reuse_key, float(s.idle_since))
+            else:
+                idle_since.pop(s.session_id, None)
+        want: dict[Key, list[float]] = {}
+        for key, since in idle_since.values():
+            want.setdefault(key, []).append(max(step + 10.0 - since, 0.0))
+        got = running.ages(step + 10.0)
+        assert {k: sorted(v.tolist()) for k, v in got.items()} == {
+            k: sorted(v) for k, v in want.items()
+        }

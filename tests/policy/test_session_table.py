@@ -11,7 +11,7 @@ import numpy as np
 from kvtier.policy.actions import Keep
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.session_table import SessionTable, chunk_columns
-from kvtier.policy.view import TIER_RANK, QueueView, TurnView
+from kvtier.policy.view import TIER_RANK, PolicyView, QueueView, TurnView, ViewDelta
 from kvtier.policy.view_diff import ViewDiff
 
 GB = 10**9
@@ -72,6 +72,23 @@ def test_view_diff_names_new_changed_and_departed_sessions(kv):
     assert changes.changed == (c, a2) and changes.left == ("b",)
     back = seen.update([a2, b])
     assert back.changed == (b,) and back.left == ("c",)  # "b" is new again
+
+
+def test_view_diff_takes_the_builders_note_only_against_the_view_it_saw_last(kv):
+    seen = ViewDiff()
+    a, b = kv.session("a", 256), kv.session("b", 256)
+    first = PolicyView((a, b), ())
+    assert seen.update(first.sessions, first).changed == (a, b)  # nothing before: compared
+    a2 = dataclasses.replace(a, idle_since=5.0)
+    # a note against the view it saw last is taken as it is (here one that names b, not a2,
+    # so that taking it shows)
+    noted = PolicyView((a2, b), (), delta=ViewDelta(first.token, (b,), ()))
+    assert seen.update(noted.sessions, noted).changed == (b,)
+    # a note against any other view is not: the views are compared
+    stale = PolicyView((a2,), (), delta=ViewDelta(first.token, (), ()))
+    changes = seen.update(stale.sessions, stale)
+    assert changes.changed == (a2,) and changes.left == ("b",)
+    assert seen.update([a2]).changed == ()  # and without a view, as before
 
 
 def test_pool_keeps_every_sessions_rows_through_growth_and_compaction(kv):
@@ -151,6 +168,18 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
         acted = {a.session_id for a in actions}
         assert acted - past == {s.session_id for s in wanted}
         assert all(not isinstance(a, Keep) for a in actions if a.session_id in past)
+        # what they hold per tier is known at once; their chunks, oldest idle first, on demand
+        cutoff = policy._state.past_cutoff()
+        oldest = sorted(
+            (s for s in _expected(v, now) if s.session_id in past),
+            key=lambda s: (s.idle_since, s.session_id),
+        )
+        assert cutoff.held(v.tier_names) == {
+            t: sum(c.size_bytes for s in oldest for c in s.chunks_in(t)) for t in v.tier_names
+        }
+        chunks = cutoff.read()
+        assert chunks.sessions == tuple(oldest)
+        assert chunks.columns.tolist() == [r for s in oldest for r in chunk_columns(s).tolist()]
         for s in wanted:
             kept = policy._state.priced(s.session_id)
             fresh = policy.value(v, s, now)

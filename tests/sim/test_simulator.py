@@ -11,12 +11,13 @@ from typing import ClassVar
 
 import pytest
 
-from kvtier.policy.actions import Action, Move
+from kvtier.policy.actions import Action, Drop, Move
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.ledger import form_bytes
-from kvtier.policy.view import PolicyView
+from kvtier.policy.view import PolicyView, SessionView
+from kvtier.policy.view_diff import diff
 from kvtier.results.report import to_document
 from kvtier.sim.simulator import GC_YOUNG_THRESHOLD, simulate
 from kvtier.sim.step_model import StepModel
@@ -302,3 +303,52 @@ def test_scale_smoke_a_few_hundred_sessions_on_replicas():
     assert result.events > len(requests) and result.steps > result.events
     assert {r.failed for r in result.run.requests} == {False}
     assert result.run.itl_pooled and result.run.duration_s > 0
+
+
+@dataclass
+class ChecksDelta(RetentionPolicy):
+    """Compares the simulator's note of what changed (`PolicyView.delta`) with the policy's own
+    comparison of the views (`view_diff.diff`), and drops every idle chunk so sessions leave
+    the view (a test policy)."""
+
+    name = "checks-delta"
+    seen: ClassVar[list[tuple[bool, int, int]]] = []  # (note == diff, changed, left)
+
+    def __post_init__(self) -> None:
+        self._last: dict[str, tuple[SessionView]] = {}
+        self._token: object = None
+
+    def decide(self, view: PolicyView, now: float) -> list[Action]:
+        changes = diff(view.sessions, self._last)
+        delta = view.delta
+        assert delta is not None
+        if self._token is not None:  # the first view has no previous one to be against
+            agrees = (
+                delta.since is self._token
+                and delta.changed == changes.changed
+                and all(a is b for a, b in zip(delta.changed, changes.changed, strict=True))
+                and sorted(delta.left) == sorted(changes.left)
+            )
+            self.seen.append((agrees, len(changes.changed), len(changes.left)))
+        self._token = view.token
+        for session_id in changes.left:
+            del self._last[session_id]
+        for session in changes.changed:
+            self._last[session.session_id] = (session,)
+        return [Drop(s.session_id, None) for s in view.candidates(now)]
+
+
+def test_the_simulator_tells_the_policy_what_changed_as_comparing_the_views_would():
+    seen = ChecksDelta.seen
+    seen.clear()
+    requests = flatten(generate(preset_config("default", sessions=60, session_rate=2.0), seed=5))
+    config = policy(
+        "tests.sim.test_simulator:ChecksDelta",
+        interval_s=2.0,
+        predictor={"max_age_s": 10.0, "min_gap_s": 0.5},
+    )
+    simulate(requests, deployment(), config)
+    assert len(seen) > 20
+    assert all(agrees for agrees, _, _ in seen)
+    assert sum(changed for _, changed, _ in seen) > 60  # sessions came and changed
+    assert sum(left for _, _, left in seen) > 10  # and left once idle without KV

@@ -154,7 +154,7 @@ class CostPolicy(RetentionPolicy):
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
-        changes = self._changes.update(view.sessions)  # one pass over the view for all three
+        changes = self._changes.update(view.sessions, view)  # the view's changes, once for all
         events = self._tracker.update(view, now, changes)
         self.predictor.observe(events)
         self._running.update(changes)
@@ -340,20 +340,30 @@ class CostPolicy(RetentionPolicy):
             _, first, which = np.unique(
                 rows * len(ages) + age_of, return_index=True, return_inverse=True
             )
-            start, cdf = floor[first], table[rows[first]]
+            # one grid of times per age bin, shared by every distribution starting there
+            age_starts, age_d = self._grid(ages)
+            at = age_of[first]
+            start, d = ages[at], age_d[at]
+            q = self.predictor.p_reuse_grid(table, rows[first], at, age_starts, age_d)
         else:
-            start, cdf, which = idle, table[rows], slice(None)
-        # interval k ends at start + h * 2**k
-        count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
-        ends = start[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
-        ends = np.minimum(ends, end)
-        starts = np.concatenate([start[:, None], ends[:, :-1]], axis=1)
-        d = np.maximum(ends - starts, 0.0)
-        q = self.predictor.p_reuse_cdf(cdf, starts, d)
+            start, which = idle, slice(None)
+            starts, d = self._grid(start)
+            q = self.predictor.p_reuse_cdf(table[rows], starts, d)
         q[d <= 0] = 0.0
         past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
         return q[which], d[which]
+
+    def _grid(self, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each interval's start, its length) per row, on the doubling grid from `start` to
+        the cut-off: interval k ends at start + h * 2**k."""
+        end = self.predictor.max_age_s
+        h = self.horizon_s
+        count = max(2, math.ceil(math.log2(max(end / h, 1.0))) + 2)
+        ends = start[:, None] + h * np.concatenate([[1.0], 2.0 ** np.arange(1, count)])[None, :]
+        ends = np.minimum(ends, end)
+        starts = np.concatenate([start[:, None], ends[:, :-1]], axis=1)
+        return starts, np.maximum(ends - starts, 0.0)
 
     def _reserve_bids(self, view: PolicyView, now: float) -> tuple[np.ndarray, np.ndarray]:
         """(bytes, seconds per byte) of the bids for free device space. The waiting queue

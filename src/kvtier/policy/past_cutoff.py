@@ -21,7 +21,7 @@ order by `SessionTable.past_cutoff`, as rows of its chunk pool.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,7 @@ from kvtier.tiers.vocab import DEVICE
 
 
 @dataclass(frozen=True)
-class PastCutoff:
+class PastChunks:
     """The chunks of sessions idle past the cut-off, one row each, in eviction order: oldest
     idle session first (ties in session-id order), its chunks in index order."""
 
@@ -43,12 +43,19 @@ class PastCutoff:
     position: np.ndarray  # the chunk's place among its session's stored chunks
     columns: np.ndarray  # `session_table.COLUMNS`: index, tokens, token_start, bytes, rank
 
+
+@dataclass(frozen=True)
+class PastCutoff:
+    """What the sessions idle past the cut-off hold: bytes per tier, known at every decision,
+    and their chunks, read only when some must go (an ample pool can hold thousands of such
+    sessions that every decision would otherwise gather and then leave where they are)."""
+
+    by_rank: np.ndarray  # bytes held per tier rank (`TIER_RANK`)
+    read: Callable[[], PastChunks]  # their chunks, valid until the table's next sync
+
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
-        """Bytes these chunks hold per tier."""
-        by_rank = np.bincount(
-            self.columns[:, 4].astype(int), weights=self.columns[:, 3], minlength=len(TIER_RANK)
-        )
-        return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
+        """Bytes these sessions hold per tier."""
+        return {tier: int(self.by_rank[TIER_RANK[tier]]) for tier in tiers}
 
 
 def evict(
@@ -62,21 +69,22 @@ def evict(
     """(drops, moves keyed by minus their source tier's rank) that fit `past`'s chunks in the
     `room` each tier has left once the priced chunks are placed (see the module docstring).
     Nothing when every tier has room for the chunks it holds."""
-    size = past.columns[:, 3]
     held = past.held(tiers)
     if all(held[tier] <= room[tier] for tier in tiers):
         return [], []
+    chunks = past.read()
+    size = chunks.columns[:, 3]
     column_of_rank = np.full(len(TIER_RANK), -1)
     for j, tier in enumerate(tiers):
         column_of_rank[TIER_RANK[tier]] = j
-    current = column_of_rank[past.columns[:, 4].astype(int)]
+    current = column_of_rank[chunks.columns[:, 4].astype(int)]
     target = current.copy()
     carried = np.zeros(0, dtype=np.int64)  # rows evicted from faster tiers, still looking
     recompute = None
     for j, tier in enumerate(tiers):
         if len(carried):
             if recompute is None:
-                recompute = model.chunk_recompute_s(past.columns[:, 1], past.columns[:, 2])
+                recompute = model.chunk_recompute_s(chunks.columns[:, 1], chunks.columns[:, 2])
             worth = recompute[carried] > model.load_s(size[carried], tier)
             candidates = np.sort(np.concatenate([np.flatnonzero(current == j), carried[worth]]))
         else:
@@ -94,8 +102,8 @@ def evict(
     drops: list[Action] = []
     moves: list[tuple[int, Action]] = []
     for r in np.flatnonzero(target != current).tolist():
-        session = past.sessions[past.row_session[r]]
-        chunk = session.stored_chunks()[past.position[r]]
+        session = chunks.sessions[chunks.row_session[r]]
+        chunk = session.stored_chunks()[chunks.position[r]]
         to = int(target[r])
         if to < 0:
             drops.append(Drop(session.session_id, chunk.index))

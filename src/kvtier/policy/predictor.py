@@ -329,6 +329,31 @@ class ReusePredictor:
             table = np.concatenate([table, blended])
         return table, at
 
+    def p_reuse_grid(
+        self,
+        table: np.ndarray,
+        rows: np.ndarray,
+        at: np.ndarray,
+        idle_s: np.ndarray,
+        horizon_s: np.ndarray,
+    ) -> np.ndarray:
+        """`p_reuse_cdf` of row `at[s]` of `idle_s` and `horizon_s` under distribution
+        `table[rows[s]]`, per s: sessions whose schedules start on one age bin's edge share a
+        row of times, so where those times fall in the bins (a logarithm each) is found once
+        per row of times, not once per session (the same operations on the same numbers)."""
+        idle, horizon = np.asarray(idle_s, float), np.asarray(horizon_s, float)
+        first = self._locate(idle)
+        last = self._locate(np.minimum(idle + horizon, self.max_age_s))
+        top = table[rows, -1][:, None]
+        row = rows[:, None]
+
+        def cdf_at(found: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+            i, share, beyond = (part[at] for part in found)
+            below, above = table[row, i], table[row, i + 1]
+            return np.where(beyond, top, below + (above - below) * share)
+
+        return self._p_reuse(cdf_at(first), cdf_at(last), idle[at], horizon[at])
+
     def _p_reuse_cdf(
         self,
         cdf: np.ndarray,
@@ -337,8 +362,15 @@ class ReusePredictor:
         rows: np.ndarray | None = None,
     ) -> np.ndarray:
         start = self._cdf_many(cdf, idle, rows)
+        end = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s), rows)
+        return self._p_reuse(start, end, idle, horizon)
+
+    def _p_reuse(
+        self, start: np.ndarray, end: np.ndarray, idle: np.ndarray, horizon: np.ndarray
+    ) -> np.ndarray:
+        """P(return within `horizon` | idle `idle`) from the cumulative masses at both ends."""
         alive = 1 - start
-        returned = self._cdf_many(cdf, np.minimum(idle + horizon, self.max_age_s), rows) - start
+        returned = end - start
         with np.errstate(divide="ignore", invalid="ignore"):
             p = np.clip(returned / alive, 0.0, 1.0)
         return np.where((idle >= self.max_age_s) | (horizon <= 0) | (alive <= 0), 0.0, p)
@@ -407,6 +439,19 @@ class ReusePredictor:
     ) -> np.ndarray:
         """`_cdf` elementwise; `cdf` one distribution, or one per row of `x`, or with `rows`
         a table of them: element s of `x` (1-D) under `cdf[rows[s]]`."""
+        i, share, beyond = self._locate(x)
+        if rows is not None:  # the same arithmetic on the entries `take_along_axis` would take
+            at, above = cdf[rows, i], cdf[rows, i + 1]
+            return np.where(beyond, cdf[rows, -1], at + (above - at) * share)
+        if cdf.ndim == 2:  # one row per session, one row of x each
+            at, above = np.take_along_axis(cdf, i, 1), np.take_along_axis(cdf, i + 1, 1)
+            return np.where(beyond, cdf[:, -1:], at + (above - at) * share)
+        out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
+        return np.where(beyond, cdf[-1], out)
+
+    def _locate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each time of `x` falls: its bin, its share of the way through it (in
+        log(gap); linearly in bin 0) and whether it is past the last edge."""
         edges = self.edges
         clipped = np.clip(x, 0.0, edges[-1])
         i = np.clip(np.searchsorted(edges, clipped, side="right") - 1, 0, len(edges) - 2)
@@ -416,14 +461,7 @@ class ReusePredictor:
                 np.log(np.maximum(clipped, 1e-300) / np.maximum(lo, 1e-300)) / self._log_width[i]
             )
         share = np.where(i == 0, clipped / hi, log_share)
-        if rows is not None:  # the same arithmetic on the entries `take_along_axis` would take
-            at, above = cdf[rows, i], cdf[rows, i + 1]
-            return np.where(x >= edges[-1], cdf[rows, -1], at + (above - at) * share)
-        if cdf.ndim == 2:  # one row per session, one row of x each
-            at, above = np.take_along_axis(cdf, i, 1), np.take_along_axis(cdf, i + 1, 1)
-            return np.where(x >= edges[-1], cdf[:, -1:], at + (above - at) * share)
-        out = cdf[i] + (cdf[i + 1] - cdf[i]) * share
-        return np.where(x >= edges[-1], cdf[-1], out)
+        return i, share, x >= edges[-1]
 
     def age_floor(self, idle_s: np.ndarray) -> np.ndarray:
         """Each idle age rounded down to the bin edge at or below it (ages past the cut-off

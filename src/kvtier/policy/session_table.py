@@ -28,7 +28,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvtier.policy.actions import Keep
-from kvtier.policy.past_cutoff import PastCutoff
+from kvtier.policy.past_cutoff import PastChunks, PastCutoff
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
 
@@ -109,7 +109,7 @@ class SessionTable:
         self._chunk_keeps: list[dict[int, Keep] | None] = []
         self._free: list[int] = []
         self._sorted: list[str] = []  # the session ids of the slots, sorted
-        self._order: np.ndarray | None = None  # slots in session-id order; None: to rebuild
+        self._order: np.ndarray | None = None  # slots in session-id order; None: to build
         self._slots = 0
         self._grow_slots(64)
         self._end = 0  # pool rows in use (live or dead)
@@ -146,6 +146,10 @@ class SessionTable:
         self._cap = grown(get("_cap"), 0, np.int64)
         self._top = grown(get("_top"), 0.0, float)
         self._priced = grown(get("_priced"), False, bool)
+        held = get("_held")  # bytes of the slot's chunks per tier rank, as loaded
+        self._held = np.zeros((size, len(TIER_RANK)))
+        if held is not None:
+            self._held[:old] = held[:old]
         for name in ("_q", "_d", "_prices"):
             if name in self.__dict__:
                 setattr(self, name, grown(get(name), 0.0, float))
@@ -164,14 +168,18 @@ class SessionTable:
         self._ids[slot] = sid
         self._keeps[slot] = Keep(sid)
         self._chunk_keeps[slot] = {}
-        bisect.insort(self._sorted, sid)
-        self._order = None
+        at = bisect.bisect_left(self._sorted, sid)
+        self._sorted.insert(at, sid)
+        if self._order is not None:  # kept in step: rebuilding it is a pass over every slot
+            self._order = np.insert(self._order, at, slot)
         self._set(slot, session)
 
     def _remove(self, session_id: str) -> None:
         slot = self._slot.pop(session_id)
-        del self._sorted[bisect.bisect_left(self._sorted, session_id)]
-        self._order = None
+        at = bisect.bisect_left(self._sorted, session_id)
+        del self._sorted[at]
+        if self._order is not None:
+            self._order = np.delete(self._order, at)
         self._views[slot] = self._keeps[slot] = self._chunk_keeps[slot] = None
         self._pinned[slot] = True  # never a candidate
         self._loaded[slot] = self._priced[slot] = False
@@ -212,6 +220,12 @@ class SessionTable:
         self._count[at] = counts
         held = counts > 0
         starts = (np.cumsum(counts) - counts)[held]
+        ranks = len(TIER_RANK)
+        owner = np.repeat(np.arange(len(slots)), counts) * ranks  # exact: whole byte counts
+        by_rank = np.bincount(
+            owner + columns[:, 4].astype(np.int64), columns[:, 3], len(slots) * ranks
+        )
+        self._held[at] = by_rank.reshape(len(slots), ranks)
         self._top[at] = 0.0
         self._top[at[held]] = np.minimum.reduceat(columns[:, 4], starts) if len(starts) else 0.0
         self._loaded[at] = True
@@ -287,11 +301,17 @@ class SessionTable:
 
     def past_cutoff(self) -> PastCutoff:
         """The sessions the last `sync` found idle past `max_age_s` and holding KV (not among
-        its candidates), oldest idle first, with their chunks' columns."""
-        slots = self._past[np.argsort(self._idle_since[self._past], kind="stable")]
+        its candidates): their bytes per tier now, their chunks when asked (oldest idle
+        first, with their columns), until the next `sync`."""
+        past = self._past
+        # whole byte counts: the sum is exact in any order
+        return PastCutoff(self._held[past].sum(axis=0), lambda: self._past_chunks(past))
+
+    def _past_chunks(self, past: np.ndarray) -> PastChunks:
+        slots = past[np.argsort(self._idle_since[past], kind="stable")]
         count, first = self._count[slots], self._first[slots]
         rows = ranges(first, count)
-        return PastCutoff(
+        return PastChunks(
             sessions=_pick(self._views, slots),
             row_session=np.repeat(np.arange(len(slots)), count),
             position=rows - np.repeat(first, count),

@@ -131,6 +131,18 @@ class QueueView:
 
 
 @dataclass(frozen=True)
+class ViewDelta:
+    """A builder's note of what changed since the previous view it built: the sessions with
+    another view object than there (new ones included), in view order, and the ids of those
+    it no longer has. `since` is that previous view's `token`: a policy that was not given
+    that view cannot use the note and compares the views itself (`view_diff`)."""
+
+    since: object
+    changed: tuple[SessionView, ...]
+    left: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PolicyView:
     """The snapshot. `reason="pressure"` means the engine could not allocate: after the actions
     it needs `bytes_needed` bytes free on the device (a total, not an increment).
@@ -138,7 +150,10 @@ class PolicyView:
     `holding` is an optional index a builder that keeps one passes along (the simulator does):
     per tier, the sessions of `sessions` with a chunk there. Without it, `holders` derives the
     same from `sessions`; with it, an LRU policy looking for the device's victims among ten
-    thousand sessions visits only the few hundred the device holds."""
+    thousand sessions visits only the few hundred the device holds.
+
+    `delta` is optional likewise: what changed since the builder's previous view (whose
+    `token` it names), so a policy keeping per-session state takes in the changes alone."""
 
     sessions: tuple[SessionView, ...]
     tiers: tuple[TierView, ...]
@@ -149,6 +164,10 @@ class PolicyView:
     holding: Mapping[str, tuple[SessionView, ...]] | None = field(
         default=None, repr=False, compare=False
     )
+    # from a builder that tracks its sessions' changes (the simulator does): with ten
+    # thousand sessions and a few changed, a policy need not compare every one
+    delta: ViewDelta | None = field(default=None, repr=False, compare=False)
+    token: object = field(default_factory=object, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [tier.name for tier in self.tiers]

@@ -15,17 +15,19 @@ class HoldingIndex:
         self._by_tier: dict[str, dict[str, SessionView]] = {}
         self._seen: dict[str, SessionView] = {}
 
-    def update(self, view: SessionView) -> None:
-        """Record `view` as the session's current state (cheap when nothing changed)."""
+    def update(self, view: SessionView) -> bool:
+        """Record `view` as the session's current state (cheap when nothing changed). True
+        when it is another view object than the one recorded (or the session is new)."""
         old = self._seen.get(view.session_id)
         if old is view:
-            return
+            return False
         if old is not None:
             for tier in old.tiers_held():
                 del self._by_tier[tier][view.session_id]
         for tier in view.tiers_held():
             self._by_tier.setdefault(tier, {})[view.session_id] = view
         self._seen[view.session_id] = view
+        return True
 
     def forget(self, session_id: str) -> None:
         old = self._seen.pop(session_id, None)

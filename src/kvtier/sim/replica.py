@@ -48,7 +48,15 @@ from kvtier.policy.executor import ActionExecutor
 from kvtier.policy.ledger import form_bytes
 from kvtier.policy.metrics import PolicyMetrics
 from kvtier.policy.restore import plan_restore
-from kvtier.policy.view import ChunkView, PolicyView, QueueView, Reason, TierView, TurnView
+from kvtier.policy.view import (
+    ChunkView,
+    PolicyView,
+    QueueView,
+    Reason,
+    TierView,
+    TurnView,
+    ViewDelta,
+)
 from kvtier.results.records import RequestRecord, TurnKind
 from kvtier.sim.channel import Channel
 from kvtier.sim.deployment import Deployment
@@ -277,6 +285,10 @@ class Replica:
         self.sessions: dict[str, SimSession] = {}
         self.tracked: dict[str, SimSession] = {}  # what policy views show
         self.holding = HoldingIndex()  # of the tracked sessions, who holds KV in which tier
+        # what the next view tells the policy changed (`PolicyView.delta`): the sessions no
+        # longer tracked since the last view, and that view's token
+        self._untracked: list[str] = []
+        self._last_view: object = None
         # leading block id of a new conversation's prompt -> the session that computed it, or
         # SHARED once a second one did (shared prefixes)
         self.block_owner: dict[int, str] = {}
@@ -773,6 +785,7 @@ class Replica:
             if not s.busy and not s.view().chunks and now - s.idle_since > self.track_s:
                 del self.tracked[session_id]
                 self.holding.forget(session_id)
+                self._untracked.append(session_id)
         self._kick()
 
     def view(self, reason: Reason = "timer", bytes_needed: int = 0) -> PolicyView:
@@ -788,9 +801,12 @@ class Replica:
             ]
         waiting_bytes = sum(r.reserve - r.device_base - r.allocated for r in self.waiting)
         sessions = tuple(s.view() for s in self.tracked.values())
-        for session in sessions:
-            self.holding.update(session)
-        return PolicyView(
+        # the index compares each session's view object with the last one it saw, which is
+        # what the policy would do again: hand it the result
+        changed = tuple(itertools.compress(sessions, map(self.holding.update, sessions)))
+        left = tuple(sid for sid in self._untracked if sid not in self.tracked)
+        self._untracked = []
+        view = PolicyView(
             sessions,
             tuple(tiers),
             QueueView(len(self.waiting), math.ceil(waiting_bytes / self.bytes_per_token)),
@@ -798,7 +814,10 @@ class Replica:
             reason=reason,
             bytes_needed=bytes_needed,
             holding=self.holding.snapshot(),
+            delta=ViewDelta(self._last_view, changed, left),
         )
+        self._last_view = view.token
+        return view
 
     def _decide(self, reason: Reason, bytes_needed: int) -> None:
         view = self.view(reason, bytes_needed)
