@@ -102,6 +102,19 @@ class PagedAttention:
             and not self.observers
         )
 
+    @property
+    def pages_decode(self) -> bool:
+        """Whether decodes read K/V straight from the pool (`engine/paged_decode.py`: no
+        gather, no padded copy) rather than gather + one padded SDPA call. That kernel runs
+        on the CPU over a plain `KVPool` (not the packed `QuantizedKVPool`) of the shapes
+        and dtypes `paged_decode.fits`; observers are handed the gathered keys, so not with
+        them either."""
+        if self.observers or self.pool.device.type != "cpu" or type(self.pool) is not KVPool:
+            return False
+        from kvtier.engine import paged_decode  # numba, compiled or loaded on first use
+
+        return paged_decode.fits(self.pool.dtype, self.head_dim, self.pool.block_size)
+
     def __call__(
         self,
         layer: int,
@@ -114,7 +127,19 @@ class PagedAttention:
         self.pool.write_slots(layer, meta.slot_index, k, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.pages_decode:
+            from kvtier.engine import paged_decode
+
+            out[:nd] = paged_decode.decode_attention(
+                self.pool.kv,
+                layer,
+                q[:nd],
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                torch.get_num_threads(),
+            )
+        elif nd:
             key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)
             q_dec = q[:nd].unsqueeze(1)
             o = self._attend(
