@@ -1,9 +1,8 @@
 """numba's `njit` as kvtier compiles its kernels (compress/fused.py, policy/kernels.py,
-engine/paged_decode.py): eagerly,
-for the signature (or list of signatures) given, without the GIL, and cached on disk (next to the kernel's module, or
-numba's per-user directory when that is not writable). Where numba finds no writable directory
-for a cache (a read-only install and no writable home) each process compiles anew, as the
-first one would."""
+engine/paged_decode.py): eagerly, for the signature (or list of signatures) given, without the
+GIL, and cached on disk (next to the kernel's module, or numba's per-user directory when that
+is not writable). Where numba finds no writable directory for a cache (a read-only install and
+no writable home) each process compiles anew, as the first one would."""
 
 from __future__ import annotations
 
