@@ -182,7 +182,8 @@ def _merge(stats, acc, lengths, out):  # pragma: no cover - compiled
                 row[d] /= total
 
 
-_workers: ThreadPoolExecutor | None = None
+# helper threads for `decode_attention`, made for a thread count (the caller's thread is one)
+_helpers: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def fits(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -203,7 +204,7 @@ def decode_attention(
     the pool `kv` [blocks, layers, 2, kv_heads, block_size, D] (bfloat16 or float32, CPU):
     q [B, heads, D], block_tables [B, max_blocks] -> float32 [B, heads, D]. Items are dealt
     to `threads` threads round-robin (the caller's thread takes the first share)."""
-    global _workers
+    global _helpers
     batch, heads = q.shape[:2]
     lengths = context_lens.numpy()
     pieces = -(-int(lengths.max()) // PIECE)
@@ -216,9 +217,11 @@ def decode_attention(
     acc = np.empty((batch, pieces, heads, DIM), np.float32)
     args = (pool, qs, tables, lengths, layer, shift, stats, acc)
     if threads > 1:
-        if _workers is None or _workers._max_workers != threads - 1:
-            _workers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-decode")
-        others = [_workers.submit(_items, *args, i, threads) for i in range(1, threads)]
+        if _helpers is None or _helpers[0] != threads:
+            if _helpers is not None:
+                _helpers[1].shutdown(wait=False)
+            _helpers = (threads, ThreadPoolExecutor(threads - 1, "kvtier-decode"))
+        others = [_helpers[1].submit(_items, *args, i, threads) for i in range(1, threads)]
         _items(*args, 0, threads)
         for job in others:
             job.result()
