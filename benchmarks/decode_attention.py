@@ -5,8 +5,12 @@ layers, 9 query / 3 KV heads, head dim 64, 16-token blocks), random K/V in a rea
 whose blocks are handed out in a shuffled order (as a pool that has served a while does).
 Per repeat, in turn: all layers' gather + one padded SDPA call (`PagedAttention._attend`,
 the path every decode took before `engine/paged_decode.py`) and all layers of the paged
-kernel (`paged_decode.decode_attention`, no gather). Prints min and median ms per token
-(all layers) over `--repeats`, and the largest difference between the two outputs:
+kernel (`paged_decode.decode_attention`, no gather) on one thread (as the engine calls it)
+and on `--threads`. With `--between-matmuls` each layer's attention sits between two
+torch matmuls of a decode row by a [576, 1536] weight, as in the model, so that torch's
+OpenMP workers are awake (and spinning) when attention starts; the matmuls alone are timed
+too. Prints min and median ms per token (all layers) over `--repeats`, and the largest
+difference between the outputs of the old path and the kernel:
 
     flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/decode_attention.py --threads 2
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--between-matmuls", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -52,22 +57,39 @@ def main() -> None:
     q = torch.randn(args.batch, HEADS, HEAD_DIM, dtype=dtype)
     lens = torch.full((args.batch,), args.context)
     outputs: dict[str, list[torch.Tensor]] = {}
+    weight = torch.randn(576, 1536, dtype=dtype)
+    row = torch.randn(1, 576, dtype=dtype)
 
-    def gather_sdpa() -> None:
-        outputs["gather + SDPA"] = [
-            attention._attend(layer, ["r"], q[:, None], *pool.gather(layer, tables), mask, lens)
-            for layer in range(LAYERS)
-        ]
+    def per_layer(name: str, attend: Callable[[int], torch.Tensor] | None) -> Callable[[], None]:
+        def run() -> None:
+            results = []
+            for layer in range(LAYERS):
+                if args.between_matmuls:
+                    row @ weight
+                if attend is not None:
+                    results.append(attend(layer))
+                if args.between_matmuls:
+                    row @ weight
+            outputs[name] = results
 
-    def kernel() -> None:
-        outputs["paged kernel"] = [
-            paged_decode.decode_attention(
-                pool.kv, layer, q, tables, lens, attention.scale, args.threads
-            ).to(dtype)
-            for layer in range(LAYERS)
-        ]
+        return run
 
-    cases: dict[str, Callable[[], None]] = {"gather + SDPA": gather_sdpa, "paged kernel": kernel}
+    def kernel(threads: int) -> Callable[[int], torch.Tensor]:
+        return lambda layer: paged_decode.decode_attention(
+            pool.kv, layer, q, tables, lens, attention.scale, threads
+        ).to(dtype)
+
+    def gathered(layer: int) -> torch.Tensor:
+        key, value = pool.gather(layer, tables)
+        return attention._attend(layer, ["r"], q[:, None], key, value, mask, lens)[:, 0]
+
+    cases = {
+        "gather + SDPA": per_layer("gather + SDPA", gathered),
+        "kernel, 1 thread": per_layer("kernel, 1 thread", kernel(1)),
+        f"kernel, {args.threads} threads": per_layer("kernel", kernel(args.threads)),
+    }
+    if args.between_matmuls:
+        cases["matmuls alone"] = per_layer("matmuls", None)
     times: dict[str, list[float]] = {name: [] for name in cases}
     with torch.inference_mode():
         for _ in range(args.repeats):
@@ -76,14 +98,14 @@ def main() -> None:
                 run()
                 times[name].append(1e3 * (time.perf_counter() - started))
     print(
-        f"context {args.context}, batch {args.batch}, {args.dtype}, {args.threads} threads,"
-        f" ms per token (all {LAYERS} layers)"
+        f"context {args.context}, batch {args.batch}, {args.dtype}, {args.threads} threads"
+        f"{', between matmuls' if args.between_matmuls else ''}, ms per token (all {LAYERS} layers)"
     )
     for name, values in times.items():
-        print(f"  {name:15s} min {min(values):6.1f}  median {statistics.median(values):6.1f}")
+        print(f"  {name:18s} min {min(values):6.1f}  median {statistics.median(values):6.1f}")
     diff = max(
-        (a[:, 0].float() - b.float()).abs().max().item()
-        for a, b in zip(outputs["gather + SDPA"], outputs["paged kernel"], strict=True)
+        (a.float() - b.float()).abs().max().item()
+        for a, b in zip(outputs["gather + SDPA"], outputs["kernel"], strict=True)
     )
     print(f"  largest |difference| of the outputs: {diff:.3g}")
 

@@ -92,7 +92,8 @@ def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(dty
 
 def test_decodes_take_the_kernel_only_where_it_applies():
     pool = filled_pool(torch.bfloat16)
-    attention = PagedAttention(pool, HEADS, KV_HEADS, DIM)
+    assert not PagedAttention(pool, HEADS, KV_HEADS, DIM).pages_decode  # off unless asked
+    attention = PagedAttention(pool, HEADS, KV_HEADS, DIM, paged_decode=True)
     assert attention.pages_decode
 
     class Watcher:
@@ -104,10 +105,10 @@ def test_decodes_take_the_kernel_only_where_it_applies():
     attention.observers.append(Watcher())
     assert not attention.pages_decode  # observers are handed the gathered keys
     half = KVPool(LAYERS, KV_HEADS, DIM, BS, torch.float16, "cpu", 1 << 24)
-    assert not PagedAttention(half, HEADS, KV_HEADS, DIM).pages_decode
+    assert not PagedAttention(half, HEADS, KV_HEADS, DIM, True).pages_decode
     wide = KVPool(LAYERS, KV_HEADS, 128, BS, torch.float32, "cpu", 1 << 24)
-    assert not PagedAttention(wide, HEADS, KV_HEADS, 128).pages_decode
+    assert not PagedAttention(wide, HEADS, KV_HEADS, 128, True).pages_decode
     packed = QuantizedKVPool(
         LAYERS, KV_HEADS, DIM, BS, torch.float32, "cpu", 1 << 26, "int4", staging_blocks=4
     )
-    assert not PagedAttention(packed, HEADS, KV_HEADS, DIM).pages_decode
+    assert not PagedAttention(packed, HEADS, KV_HEADS, DIM, True).pages_decode

@@ -1,8 +1,9 @@
 """Paged attention over the block pool with `scaled_dot_product_attention`.
 
 Per layer: the step's new K/V are written into their pool slots, then each query attends to
-its sequence's blocks. All decodes (one query each) go through ONE padded SDPA call with a
-length mask. A prefill chunk on CPU is two flash-attention calls merged by their
+its sequence's blocks. Decodes (one query each) on CPU read K/V straight from the pool
+(`engine/paged_decode.py`, see `PagedAttention.pages_decode`); elsewhere they go through ONE
+padded SDPA call over K/V gathered out of the pool, with a length mask. A prefill chunk on CPU is two flash-attention calls merged by their
 log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
 and against its own keys (a square, so plain `is_causal` skips the future half); see
 `_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
@@ -73,9 +74,15 @@ class AttentionMetadata:
 
 class PagedAttention:
     def __init__(
-        self, pool: KVPool | QuantizedKVPool, num_heads: int, num_kv_heads: int, head_dim: int
+        self,
+        pool: KVPool | QuantizedKVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        paged_decode: bool = False,
     ) -> None:
         self.pool = pool
+        self.paged_decode = paged_decode  # EngineConfig.paged_decode
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -105,11 +112,14 @@ class PagedAttention:
     @property
     def pages_decode(self) -> bool:
         """Whether decodes read K/V straight from the pool (`engine/paged_decode.py`: no
-        gather, no padded copy) rather than gather + one padded SDPA call. That kernel runs
+        gather, no padded copy) rather than gather + one padded SDPA call: when asked for
+        (`EngineConfig.paged_decode`) and where the kernel applies. It runs
         on the CPU over a plain `KVPool` (not the packed `QuantizedKVPool`) of the shapes
         and dtypes `paged_decode.fits`; observers are handed the gathered keys, so not with
         them either."""
-        if self.observers or self.pool.device.type != "cpu" or type(self.pool) is not KVPool:
+        if not self.paged_decode or self.observers or self.pool.device.type != "cpu":
+            return False
+        if type(self.pool) is not KVPool:
             return False
         from kvtier.engine import paged_decode  # numba, compiled or loaded on first use
 
@@ -137,7 +147,7 @@ class PagedAttention:
                 meta.decode_block_tables,
                 meta.decode_context_lens,
                 self.scale,
-                torch.get_num_threads(),
+                1,  # on the step's own thread: see `paged_decode` on torch's OpenMP workers
             )
         elif nd:
             key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)

@@ -22,9 +22,17 @@ compiled code is the same for every key, so the result still depends only on the
 The exponential is computed in `_exp_into` without fast-math, a polynomial LLVM vectorises
 (numba's `math.exp` is a scalar libm call per element here: no SVML).
 
-Compiled once per environment, on first import (a few seconds), then loaded from numba's
-cache; `PagedAttention` imports this module only when a decode takes this path, so the
-CLI's light import path never sees numba.
+`decode_attention` can deal the items to several threads (its own and helper threads,
+nogil); the engine calls it on one. Between the model's torch operations, torch's OpenMP
+workers are still spinning when attention starts, so a helper thread competes with them for
+the second core: with each layer's attention between two torch matmuls (one 8K sequence,
+bfloat16, `benchmarks/decode_attention.py --between-matmuls`), two threads were no faster
+than one, and end to end two threads made decode at 8K several times slower on a loaded
+machine (docs/engine.md).
+
+Compiled once per environment, on first import (about 4 s of the compiler), then loaded
+from numba's cache; `PagedAttention` imports this module only when a decode asks whether
+it can take this path, so the CLI's light import path never sees numba.
 """
 
 from __future__ import annotations
