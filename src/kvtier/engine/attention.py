@@ -1,9 +1,10 @@
 """Paged attention over the block pool with `scaled_dot_product_attention`.
 
 Per layer: the step's new K/V are written into their pool slots, then each query attends to
-its sequence's blocks. Decodes (one query each) on CPU read K/V straight from the pool
-(`engine/paged_decode.py`, see `PagedAttention.pages_decode`); elsewhere they go through ONE
-padded SDPA call over K/V gathered out of the pool, with a length mask. A prefill chunk on CPU is two flash-attention calls merged by their
+its sequence's blocks. Decodes (one query each) read K/V straight from the pool where
+`PagedAttention.pages_decode` (engine/paged_decode.py); otherwise all go through ONE padded
+SDPA call over K/V gathered out of the pool, with a
+length mask. A prefill chunk on CPU is two flash-attention calls merged by their
 log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
 and against its own keys (a square, so plain `is_causal` skips the future half); see
 `_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
