@@ -1,18 +1,20 @@
 """The paged decode kernel (engine/paged_decode.py) on a real `KVPool`: against attention
 computed by hand from the pool's blocks, and holding each sequence to one answer whatever is
-batched beside it and however many threads run."""
+batched beside it and however many threads run; then through the whole engine
+(`EngineConfig.paged_decode`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtier.engine import paged_decode
+from kvtier.engine import Engine, EngineConfig, SamplingParams, paged_decode
 from kvtier.engine.attention import PagedAttention
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.quant_pool import QuantizedKVPool
 
 LAYERS, HEADS, KV_HEADS, DIM, BS = 2, 9, 3, 64, 16
+MIB = 1 << 20
 SCALE = DIM**-0.5
 
 
@@ -112,3 +114,35 @@ def test_decodes_take_the_kernel_only_where_it_applies():
         LAYERS, KV_HEADS, DIM, BS, torch.float32, "cpu", 1 << 26, "int4", staging_blocks=4
     )
     assert not PagedAttention(packed, HEADS, KV_HEADS, DIM, True).pages_decode
+
+
+@pytest.fixture(scope="module")
+def paged_engines():
+    """The kernel through the whole engine, fp32 and bf16."""
+    return {
+        dtype: Engine(EngineConfig(dtype=dtype, kv_cache_bytes=64 * MIB, paged_decode=True))
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def test_an_engine_decoding_through_the_kernel_generates_what_the_gather_path_does(
+    paged_engines, fp32_engine
+):
+    """fp32: the same 48 greedy tokens as the gather + SDPA engine (test_generation.py holds
+    that one to transformers' `generate`), five prompts batched together."""
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = ["The history of the printing press", "def fibonacci(n):", "Paris is", "1, 2, 3,"]
+    prompts.append(" ".join(["a long prompt of many words"] * 120))  # 720+ tokens: 2 pieces
+    want = fp32_engine.generate(prompts, greedy)
+    got = paged_engines["float32"].generate(prompts, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_bf16_request_decodes_the_same_tokens_alone_and_batched(paged_engines):
+    engine = paged_engines["bfloat16"]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
+    (alone,) = engine.generate([long_prompt], greedy)
+    engine.reset_prefix_cache()
+    batched = engine.generate(["Tell me a story.", long_prompt, "Paris is"], greedy)
+    assert batched[1].token_ids == alone.token_ids
