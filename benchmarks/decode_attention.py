@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--between-matmuls", action="store_true")
+    parser.add_argument(
+        "--only", choices=("gather", "kernel"), default=None, help="one path, in its own process"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -88,6 +91,10 @@ def main() -> None:
         "kernel, 1 thread": per_layer("kernel, 1 thread", kernel(1)),
         f"kernel, {args.threads} threads": per_layer("kernel", kernel(args.threads)),
     }
+    if args.only == "gather":
+        cases = {"gather + SDPA": cases["gather + SDPA"]}
+    elif args.only == "kernel":
+        del cases["gather + SDPA"]
     if args.between_matmuls:
         cases["matmuls alone"] = per_layer("matmuls", None)
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -103,6 +110,8 @@ def main() -> None:
     )
     for name, values in times.items():
         print(f"  {name:18s} min {min(values):6.1f}  median {statistics.median(values):6.1f}")
+    if args.only:
+        return
     diff = max(
         (a.float() - b.float()).abs().max().item()
         for a, b in zip(outputs["gather + SDPA"], outputs["kernel"], strict=True)
