@@ -49,7 +49,8 @@ def main() -> None:
 
     def recording(*a, **k):
         result = execute(*a, **k)
-        steps.append(result.logits[0].clone())
+        if len(result.logits):  # prefill chunks before the last sample nothing
+            steps.append(result.logits[0].clone())
         return result
 
     engine.runner.execute = recording
