@@ -26,9 +26,8 @@ The exponential is computed in `_exp_into` without fast-math, a polynomial LLVM 
 nogil); the engine calls it on one. Between the model's torch operations, torch's OpenMP
 workers are still spinning when attention starts, so a helper thread competes with them for
 the second core: with each layer's attention between two torch matmuls (one 8K sequence,
-bfloat16, `benchmarks/decode_attention.py --between-matmuls`), two threads were no faster
-than one, and end to end two threads made decode at 8K several times slower on a loaded
-machine (docs/engine.md).
+bfloat16, the shape of `benchmarks/decode_attention.py --between-matmuls`), two threads were
+no faster than one, and end to end two threads gained nothing either (docs/engine.md).
 
 Compiled once per environment, on first import (about 4 s of the compiler), then loaded
 from numba's cache; `PagedAttention` imports this module only when a decode asks whether
