@@ -310,3 +310,19 @@ def test_demotions_go_down_one_or_more_tiers_never_up(kv):
     for action in policy.decide(v, 5.0):
         if isinstance(action, Move):
             assert TIER_RANK[action.tier] > TIER_RANK["host"]
+
+
+def test_sessions_still_idle_count_against_an_early_return(kv):
+    # the finished gaps say "back within 20 s"; 40 sessions idle for 200 s say many never are:
+    # a decision shows the policy both, so a session idle 50 s is not taken as due back
+    predictor = ReusePredictor()
+    for gap in (12, 15, 18, 20) * 30:
+        predictor.record_gap(("default", "chat"), gap)
+    key = ("default", "chat")
+    finished_only = predictor.p_reuse(key, 50.0, 150.0)
+    policy = CostPolicy(kv.slow_model(), predictor)
+    idle = [kv.session(f"old{i:02}", 256, tier="host", idle_since=0.0) for i in range(40)]
+    v = kv.view([*idle, kv.session("new", 256, idle_since=150.0)], CAPACITY)
+    policy.decide(v, 200.0)
+    assert finished_only > 0.2
+    assert policy.predictor.p_reuse(key, 50.0, 150.0) < 0.05

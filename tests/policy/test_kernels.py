@@ -157,3 +157,40 @@ def test_compiled_distribution_equals_the_numpy_blend(kv):
             want = np.cumsum((histogram.counts + weight * base) / (histogram.total + weight))
             assert predictor._distribution(key)[0][1:].tobytes() == want.tobytes()
             assert want[-1] < 1.0 and (np.diff(want) > 0).any()
+
+
+def _life_table_reference(counts, no_return, total, censored):
+    """The actuarial life table in numpy passes, as the predictor first computed it."""
+    seen = total + float(censored.sum())
+    left = np.concatenate([[0.0], np.cumsum(counts + censored)[:-1]])
+    at_risk = seen - left - censored / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        hazard = np.where(at_risk > 0, np.minimum(counts / at_risk, 1.0), 0.0)
+    survival = np.concatenate([[1.0], np.cumprod(1.0 - hazard)])
+    return survival[:-1] * hazard, float(survival[-1])
+
+
+def test_compiled_life_table_equals_the_numpy_passes(kv):
+    """With gaps still running, the predictor's distributions are bit for bit the numpy life
+    table's, for young and old running gaps."""
+    rng = np.random.default_rng(5)
+    predictor = CostPolicy(kv.slow_model()).predictor
+    key = kv.session("k", 256, app_class="chat").reuse_key
+    for step in range(300):
+        predictor.record_gap(key, float(rng.exponential(rng.choice([3.0, 60.0, 900.0]))), "s")
+        if step % 40 == 0:
+            predictor.record_no_return(key)
+    weight = predictor.prior.weight
+    for ages in (rng.uniform(0, 50, 30), rng.uniform(0, 3000, 400)):
+        predictor.censor({key: ages})
+        pooled_cdf, pooled_none = predictor._distribution(None)
+        histogram = predictor._keys[key]
+        masses, no_return = _life_table_reference(
+            histogram.counts + weight * np.diff(pooled_cdf),
+            histogram.no_return + weight * pooled_none,
+            histogram.total + weight,
+            predictor._censored[key],
+        )
+        cdf, got_none = predictor._distribution(key)
+        assert cdf[0] == 0.0 and cdf[1:].tobytes() == np.cumsum(masses).tobytes()
+        assert got_none == no_return and 0.0 < no_return < 1.0

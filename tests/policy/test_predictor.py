@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from kvtier.policy.predictor import GapPrior, ReusePredictor
+from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.tracker import Abandoned, Returned, TurnTracker
 from kvtier.policy.view import PolicyView, SessionView, TierView, TurnView
+from kvtier.policy.view_diff import Changes
 
 KEY = ("tenant", "chat")
 
@@ -235,3 +237,71 @@ def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
     rows = np.arange(len(x)) % 2
     got = predictor._cdf_many(table, x, rows)
     assert got[rows == 0].tobytes() == want[rows == 0].tobytes()
+
+
+def _cross_section(seed: int) -> tuple[ReusePredictor, list[SessionView]]:
+    """2,000 sessions, each idle for a uniform 0-600 s when we look: 40% never return, the
+    rest return after an exponential 30 s gap. Gaps shorter than the idle time have finished
+    (recorded); the rest are still running (the sessions idle now)."""
+    predictor = ReusePredictor()
+    rng = np.random.default_rng(seed)
+    idle = []
+    for i in range(2000):
+        age = float(rng.uniform(0.0, 600.0))
+        gap = math.inf if rng.random() < 0.4 else float(rng.exponential(30.0))
+        if gap < age:
+            predictor.record_gap(KEY, gap)
+        else:
+            idle.append(SessionView(f"s{i}", "tenant", "chat", idle_since=1000.0 - age))
+    return predictor, idle
+
+
+def _running(idle: list[SessionView], now: float) -> dict:
+    running = RunningGaps()
+    running.update(Changes(tuple(idle), ()))
+    return running.ages(now)
+
+
+def test_gaps_still_running_count_as_censored():
+    # P(return within 30 s | idle 10 s) = 0.6 e^(-1/3) (1 - e^(-1)) / (0.4 + 0.6 e^(-1/3))
+    survive = 0.6 * math.exp(-10 / 30)
+    truth = survive * (1 - math.exp(-1)) / (0.4 + survive)
+    predictor, idle = _cross_section(4)
+    # finished gaps alone are the returns only: the sessions that never come back are missing
+    assert predictor.p_reuse(KEY, 10.0, 30.0) > truth + 0.2
+    predictor.censor(_running(idle, 1000.0))
+    assert predictor.p_reuse(KEY, 10.0, 30.0) == pytest.approx(truth, abs=0.04)
+    assert predictor.p_reuse(KEY, 0.0, 590.0) == pytest.approx(0.6, abs=0.04)
+    # long idle: almost surely one who will not return
+    assert predictor.p_reuse(KEY, 300.0, 300.0) < 0.02
+
+
+def test_ages_no_running_gap_has_reached_fall_back_on_the_prior():
+    predictor, idle = _cross_section(5)
+    predictor.censor(_running(idle, 1000.0))
+    # nobody has been idle 1,000 s yet: the prior's pseudo-sessions set the hazard there, not
+    # "nobody returns" (which an estimate from the data alone would say)
+    prior_only = ReusePredictor()
+    assert predictor.p_reuse(KEY, 1000.0, 600.0) == pytest.approx(
+        prior_only.p_reuse(KEY, 1000.0, 600.0), rel=0.05
+    )
+    # and censoring nothing changes nothing
+    plain, _ = _cross_section(5)
+    before = plain.p_reuse(KEY, 10.0, 30.0)
+    plain.censor(_running([], 1000.0))
+    assert plain.p_reuse(KEY, 10.0, 30.0) == before
+
+
+def test_running_gaps_follow_the_views_changes():
+    running = RunningGaps()
+    a = SessionView("a", "t", "chat", idle_since=10.0)
+    b = SessionView("b", "t", "api", idle_since=40.0)
+    running.update(Changes((a, b), ()))
+    ages = running.ages(100.0)
+    assert ages[("t", "chat")].tolist() == [90.0] and ages[("t", "api")].tolist() == [60.0]
+    # a returns (active again) and b leaves the view: nothing of either is still running
+    running.update(Changes((dataclasses.replace(a, active=True, idle_since=None),), ("b",)))
+    assert running.ages(100.0) == {}
+    # a idle again, from a later turn: only its new gap runs
+    running.update(Changes((dataclasses.replace(a, idle_since=95.0),), ()))
+    assert running.ages(100.0)[("t", "chat")].tolist() == [5.0]

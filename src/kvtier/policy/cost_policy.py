@@ -77,6 +77,7 @@ from kvtier.policy.forms import FormChooser
 from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
+from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
@@ -140,6 +141,7 @@ class CostPolicy(RetentionPolicy):
         self._tracker = TurnTracker(self.predictor.max_age_s)
         self._state = SessionTable(self.reprice_tolerance, self.predictor.max_age_s)
         self._changes = ViewDiff()
+        self._running = RunningGaps()
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -155,6 +157,8 @@ class CostPolicy(RetentionPolicy):
         changes = self._changes.update(view.sessions)  # one pass over the view for all three
         events = self._tracker.update(view, now, changes)
         self.predictor.observe(events)
+        self._running.update(changes)
+        self.predictor.censor(self._running.ages(now))  # the gaps still running
         self.demand.observe(view, now, changes)
         if self.calibration is not None:
             self.calibration.observe(events)

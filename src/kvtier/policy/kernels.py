@@ -19,7 +19,10 @@ sums of whole byte counts (exact in float64), so the same placement.
 and the running sum after it: the predictor rebuilds a distribution after every return it
 learns from (each changes the pooled histogram every key blends with), several numpy calls
 on 64 bins each time. The same divisions and the same left-to-right running sum as
-`np.cumsum`, so the same bits.
+`np.cumsum`, so the same bits. `life_table` is the same blend when gaps are still running
+(`ReusePredictor.censor`): the actuarial life table over finished and running gaps, rebuilt
+as often, in the same operations and order as the numpy passes it replaced (running sums and
+products left to right, as `np.cumsum` and `np.cumprod` take them).
 
 They are compiled when this module is first imported, from numba's on-disk cache after the first
 time in an environment (next to this file, or numba's per-user directory when that is not
@@ -137,3 +140,29 @@ def cumulative_masses(counts, base, weight, total, out):  # pragma: no cover - c
         mass = (counts[i] + weight * base[i]) / total
         running = mass if i == 0 else running + mass
         out[i + 1] = running
+
+
+@compiled("float64(float64[::1], float64[::1], float64, float64, float64[::1], float64[::1])")
+def life_table(counts, base, weight, total, censored, out):  # pragma: no cover - compiled
+    """The distribution of gaps from finished ones (`counts` per bin blended with `weight`
+    pseudo-sessions spread like `base`, `total` of them with the returns that never came,
+    pseudo-sessions included) and running ones (`censored` per bin of their age): out = [0,
+    running sum of each bin's probability]; returns P(no return). The hazard of bin b is its
+    returns over the sessions at risk when it starts, less half of those censored inside it;
+    a bin nobody is at risk in has none."""
+    still_idle = 0.0
+    for i in range(len(counts)):
+        still_idle += censored[i]  # whole counts: exact in any order
+    seen = total + still_idle
+    out[0] = 0.0
+    left = 0.0  # gaps that ended (or were censored) in the bins before this one
+    survival = 1.0
+    # 0.0 + x is x, so the running sums start as numpy's cumsum does, with the first term
+    for i in range(len(counts)):
+        finished = counts[i] + weight * base[i]
+        at_risk = seen - left - censored[i] / 2
+        hazard = min(finished / at_risk, 1.0) if at_risk > 0 else 0.0
+        out[i + 1] = out[i] + survival * hazard
+        survival = survival * (1.0 - hazard)
+        left += finished + censored[i]
+    return survival
