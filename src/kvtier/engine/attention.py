@@ -83,13 +83,15 @@ class PagedAttention:
         paged_decode: bool = False,
     ) -> None:
         self.pool = pool
-        self.paged_decode = paged_decode  # EngineConfig.paged_decode
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.observers: list[AttentionObserver] = []
+        # EngineConfig.paged_decode, where the kernel applies and is built: settled here, once,
+        # so that no request switches paths midway (bf16 outputs of the two differ in last bits)
+        self.paged_decode = paged_decode and self._kernel_applies()
 
     @property
     def needs_weights(self) -> bool:
@@ -110,21 +112,24 @@ class PagedAttention:
             and not self.observers
         )
 
+    def _kernel_applies(self) -> bool:
+        """Whether `engine/paged_decode.py` can serve this pool: on the CPU, a plain `KVPool`
+        (not the packed `QuantizedKVPool`) of the shapes and dtypes `paged_decode.fits`, with
+        its C++ kernel built (a C++ compiler at hand; built or loaded from the cache here)."""
+        if self.pool.device.type != "cpu" or type(self.pool) is not KVPool:
+            return False
+        from kvtier.engine import paged_decode
+
+        fits = paged_decode.fits(self.pool.dtype, self.head_dim, self.pool.block_size)
+        return fits and paged_decode.available()
+
     @property
     def pages_decode(self) -> bool:
         """Whether decodes read K/V straight from the pool (`engine/paged_decode.py`: no
         gather, no padded copy) rather than gather + one padded SDPA call: when asked for
-        (`EngineConfig.paged_decode`) and where the kernel applies. It runs
-        on the CPU over a plain `KVPool` (not the packed `QuantizedKVPool`) of the shapes
-        and dtypes `paged_decode.fits`; observers are handed the gathered keys, so not with
-        them either."""
-        if not self.paged_decode or self.observers or self.pool.device.type != "cpu":
-            return False
-        if type(self.pool) is not KVPool:
-            return False
-        from kvtier.engine import paged_decode  # numba, compiled or loaded on first use
-
-        return paged_decode.fits(self.pool.dtype, self.head_dim, self.pool.block_size)
+        (`EngineConfig.paged_decode`) and where the kernel applies; observers are handed the
+        gathered keys, so not with them."""
+        return self.paged_decode and not self.observers
 
     def __call__(
         self,
@@ -148,7 +153,7 @@ class PagedAttention:
                 meta.decode_block_tables,
                 meta.decode_context_lens,
                 self.scale,
-                1,  # on the step's own thread: see `paged_decode` on torch's OpenMP workers
+                torch.get_num_threads(),  # torch's own OpenMP threads: see `paged_decode`
             )
         elif nd:
             key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)

@@ -80,10 +80,19 @@ struct Geometry {
     int64_t layers, kv_heads, block_size, heads, max_blocks, layer;
 };
 
+constexpr int AHEAD = 2;  // blocks prefetched ahead: a piece's blocks lie anywhere in the pool
+
+// Asks for the `bytes` from `p` (a block's K or V half) to be brought into cache.
+inline void prefetch(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(c + line);
+}
+
 // One item: keys [first, first + n) of one sequence, all heads. q [heads, D] float32, already
 // scaled. Writes stats [heads, 2] (max score, sum of exp) and acc [heads, D] (sum of exp times
-// value rows). Scores of the whole piece first (K halves of its blocks), then one exp pass,
-// then the values (V halves): no rescaling inside a piece.
+// value rows). Scores of the whole piece first (the K halves of its blocks, each one
+// contiguous run), then one exp pass, then the values (the V halves): no rescaling inside a
+// piece.
 template <typename T>
 void piece(const T* kv, const Geometry& g, const float* q, const int64_t* table, int64_t first,
            int64_t n, float* stats, float* acc, std::vector<float>& scores) {
@@ -92,14 +101,18 @@ void piece(const T* kv, const Geometry& g, const float* q, const int64_t* table,
     const int64_t head_stride = bs * D;  // one KV head's rows in a block
     const int64_t half = g.kv_heads * head_stride;  // K of all heads, then V
     const int64_t padded = (n + 15) / 16 * 16;
+    const int64_t blocks = (n + bs - 1) / bs;
     scores.assign(g.heads * padded, 0.0f);
-    auto rows_of = [&](int64_t start) {  // this layer's K/V of the block holding key `start`
-        return kv + (table[(first + start) / bs] * g.layers + g.layer) * 2 * half;
+    auto block = [&](int64_t i) {  // this layer's K/V of the piece's i-th block
+        return kv + (table[first / bs + i] * g.layers + g.layer) * 2 * half;
     };
-    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-        for (int64_t start = 0; start < n; start += bs) {
-            const T* keys = rows_of(start) + kvh * head_stride;
-            const int64_t count = n - start < bs ? n - start : bs;
+    for (int64_t i = 0; i < AHEAD && i < blocks; ++i) prefetch(block(i), half * sizeof(T));
+    for (int64_t i = 0; i < blocks; ++i) {
+        if (i + AHEAD < blocks) prefetch(block(i + AHEAD), half * sizeof(T));
+        const int64_t start = i * bs;
+        const int64_t count = n - start < bs ? n - start : bs;
+        for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+            const T* keys = block(i) + kvh * head_stride;
             for (int64_t t = 0; t < count; ++t) {
                 v16 k[CH];
                 for (int c = 0; c < CH; ++c) k[c] = load(keys + t * D + 16 * c);
@@ -127,19 +140,23 @@ void piece(const T* kv, const Geometry& g, const float* q, const int64_t* table,
         stats[2 * h] = peak;
         stats[2 * h + 1] = lanes_sum(total);
     }
-    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-        for (int64_t j = 0; j < group; ++j) {
-            const int64_t h = kvh * group + j;
-            const float* w = scores.data() + h * padded;
-            v16 out[CH] = {};
-            for (int64_t start = 0; start < n; start += bs) {
-                const T* values = rows_of(start) + half + kvh * head_stride;
-                const int64_t count = n - start < bs ? n - start : bs;
+    std::fill(acc, acc + g.heads * D, 0.0f);
+    for (int64_t i = 0; i < AHEAD && i < blocks; ++i) prefetch(block(i) + half, half * sizeof(T));
+    for (int64_t i = 0; i < blocks; ++i) {
+        if (i + AHEAD < blocks) prefetch(block(i + AHEAD) + half, half * sizeof(T));
+        const int64_t start = i * bs;
+        const int64_t count = n - start < bs ? n - start : bs;
+        for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+            const T* values = block(i) + half + kvh * head_stride;
+            for (int64_t j = 0; j < group; ++j) {
+                const int64_t h = kvh * group + j;
+                const float* w = scores.data() + h * padded + start;
+                v16 out[CH];
+                std::memcpy(out, acc + h * D, sizeof out);
                 for (int64_t t = 0; t < count; ++t)
-                    for (int c = 0; c < CH; ++c)
-                        out[c] += w[start + t] * load(values + t * D + 16 * c);
+                    for (int c = 0; c < CH; ++c) out[c] += w[t] * load(values + t * D + 16 * c);
+                std::memcpy(acc + h * D, out, sizeof out);
             }
-            std::memcpy(acc + h * D, out, sizeof out);
         }
     }
 }
