@@ -110,6 +110,10 @@ def test_decodes_take_the_kernel_only_where_it_applies():
     assert not PagedAttention(half, HEADS, KV_HEADS, DIM, True).pages_decode
     wide = KVPool(LAYERS, KV_HEADS, 128, BS, torch.float32, "cpu", 1 << 24)
     assert not PagedAttention(wide, HEADS, KV_HEADS, 128, True).pages_decode
+    small_blocks = KVPool(LAYERS, KV_HEADS, DIM, 8, torch.float32, "cpu", 1 << 24)
+    assert not PagedAttention(small_blocks, HEADS, KV_HEADS, DIM, True).pages_decode
+    wide_blocks = KVPool(LAYERS, KV_HEADS, DIM, 32, torch.bfloat16, "cpu", 1 << 24)
+    assert PagedAttention(wide_blocks, HEADS, KV_HEADS, DIM, True).pages_decode
     packed = QuantizedKVPool(
         LAYERS, KV_HEADS, DIM, BS, torch.float32, "cpu", 1 << 26, "int4", staging_blocks=4
     )

@@ -68,7 +68,9 @@ def load(source: Path) -> ctypes.CDLL | None:
                 )
                 os.replace(partial, built)
         return ctypes.CDLL(str(built))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
-        log.warning("building %s failed (%s): kept the other path", source.name, " ".join(detail))
-        return None
+    except subprocess.CalledProcessError as e:
+        errors = [line for line in e.stderr.splitlines() if "error" in line] or [str(e)]
+        log.warning("building %s failed (%s): kept the other path", source.name, errors[0])
+    except OSError as e:
+        log.warning("building %s failed (%s): kept the other path", source.name, e)
+    return None

@@ -59,7 +59,12 @@ def available() -> bool:
 
 def fits(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether a pool of this dtype and geometry is one the kernel reads."""
-    return dtype in (torch.bfloat16, torch.float32) and head_dim == DIM and PIECE % block_size == 0
+    return (
+        dtype in (torch.bfloat16, torch.float32)
+        and head_dim == DIM
+        and block_size % 16 == 0  # scores are reduced 16 keys at a time
+        and PIECE % block_size == 0
+    )
 
 
 def decode_attention(
