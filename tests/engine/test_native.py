@@ -43,7 +43,7 @@ def test_without_a_compiler_the_caller_is_told_none(tmp_path, monkeypatch, caplo
 
 
 @pytest.mark.parametrize("source", ["int broken(", "#error not this one\n"])
-def test_a_source_that_does_not_build_is_reported_in_one_line(tmp_path, monkeypatch, caplog, source):
+def test_a_failing_build_is_reported_in_one_line(tmp_path, monkeypatch, caplog, source):
     monkeypatch.setenv("KVTIER_CACHE", str(tmp_path))
     bad = tmp_path / "bad.cpp"
     bad.write_text(source)
