@@ -346,7 +346,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument(
-        "--paged-decode", action="store_true", help="EngineConfig.paged_decode (kvtier)"
+        "--paged-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EngineConfig.paged_decode (kvtier; default on, as the engine's)",
     )
     parser.add_argument("--sequential-requests", type=int, default=2)
     parser.add_argument("--vllm-json", type=Path, default=None, help="vllm_cpu.py output")

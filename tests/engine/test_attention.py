@@ -123,21 +123,25 @@ def test_decodes_take_the_kernel_only_where_it_applies():
 @pytest.fixture(scope="module")
 def paged_engines():
     """The kernel through the whole engine, fp32 and bf16."""
-    return {
+    engines = {
         dtype: Engine(EngineConfig(dtype=dtype, kv_cache_bytes=64 * MIB, paged_decode=True))
         for dtype in ("float32", "bfloat16")
     }
+    assert all(e.model.attention.pages_decode for e in engines.values())
+    return engines
 
 
 def test_an_engine_decoding_through_the_kernel_generates_what_the_gather_path_does(
-    paged_engines, fp32_engine
+    paged_engines,
 ):
-    """fp32: the same 48 greedy tokens as the gather + SDPA engine (test_generation.py holds
-    that one to transformers' `generate`), five prompts batched together."""
+    """fp32: the same 48 greedy tokens as the gather + SDPA engine, five prompts batched
+    together (test_generation.py holds the engine to transformers' `generate`)."""
+    gather = Engine(EngineConfig(dtype="float32", kv_cache_bytes=64 * MIB, paged_decode=False))
+    assert not gather.model.attention.pages_decode
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompts = ["The history of the printing press", "def fibonacci(n):", "Paris is", "1, 2, 3,"]
     prompts.append(" ".join(["a long prompt of many words"] * 120))  # 720+ tokens: 2 pieces
-    want = fp32_engine.generate(prompts, greedy)
+    want = gather.generate(prompts, greedy)
     got = paged_engines["float32"].generate(prompts, greedy)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 

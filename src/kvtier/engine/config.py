@@ -61,11 +61,11 @@ class EngineConfig:
     # background: 0.12 s of CPU to 3.7 s of wall time per GiB on this VM (more when the
     # hypervisor backs fresh guest memory on first touch).
     prefault_kv_pool: bool = True
-    # Decodes on CPU read K/V straight from the pool (engine/paged_decode.py: no gather, no
-    # padded copy) instead of gather + one padded SDPA call. Off: on one thread it is faster
-    # than the gather on attention alone but not end to end, where the gather + SDPA path
-    # uses both cores (docs/engine.md, "A paged decode kernel").
-    paged_decode: bool = False
+    # Decodes on CPU read K/V straight from the pool (engine/paged_decode.py, a C++ kernel
+    # built at engine start: no gather, no padded copy) instead of gather + one padded SDPA
+    # call. Without a C++ compiler the engine logs it and keeps the gather (docs/engine.md,
+    # "A paged decode kernel").
+    paged_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
