@@ -4,12 +4,12 @@
 layers, 9 query / 3 KV heads, head dim 64, 16-token blocks), random K/V in a real `KVPool`
 whose blocks are handed out in a shuffled order (as a pool that has served a while does).
 Per repeat, in turn: all layers' gather + one padded SDPA call (`PagedAttention._attend`,
-the path every decode took before `engine/paged_decode.py`) and all layers of the paged
-kernel (`paged_decode.decode_attention`, no gather) on one thread (as the engine calls it)
-and on `--threads`. With `--between-matmuls` each layer's attention sits between two
-torch matmuls of a decode row by a [576, 1536] weight, as in the model, so that torch's
-OpenMP workers are awake (and spinning) when attention starts; the matmuls alone are timed
-too. Prints min and median ms per token (all layers) over `--repeats`, and the largest
+the path decodes take with `EngineConfig.paged_decode` off) and all layers of the paged
+kernel (`paged_decode.decode_attention`, no gather) on one thread and on `--threads` (torch's
+OpenMP threads, as the engine calls it). With `--between-matmuls` each layer's attention
+sits between two torch matmuls of a decode row by a [576, 1536] weight, as in the model,
+so that torch's OpenMP workers are awake (and spinning) when attention starts; the matmuls
+alone are timed too. Prints min and median ms per token (all layers) over `--repeats`, and the largest
 difference between the outputs of the old path and the kernel:
 
     flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
