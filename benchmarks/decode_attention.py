@@ -9,8 +9,8 @@ kernel (`paged_decode.decode_attention`, no gather) on one thread and on `--thre
 OpenMP threads, as the engine calls it). With `--between-matmuls` each layer's attention
 sits between two torch matmuls of a decode row by a [576, 1536] weight, as in the model,
 so that torch's OpenMP workers are awake (and spinning) when attention starts; the matmuls
-alone are timed too. Prints min and median ms per token (all layers) over `--repeats`, and the largest
-difference between the outputs of the old path and the kernel:
+alone are timed too. Prints min and median ms per token (all layers) over `--repeats`, and
+the largest difference between the outputs of the old path and the kernel:
 
     flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/decode_attention.py --threads 2
