@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--paged-decode",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="CPU decodes read K/V straight from the pool, no gather (default on where a C++ "
-        "compiler builds the kernel, docs/engine.md)",
+        help="CPU decodes read K/V straight from the pool, no gather, C++ compiler needed "
+        "(default off: faster, but resumed turns may answer otherwise; docs/engine.md)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
