@@ -146,7 +146,9 @@ def run(args: argparse.Namespace) -> dict:
     started, busy_before, own_before = time.perf_counter(), machine_busy_s(), _own_cpu_s()
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(dtype=args.dtype, num_threads=threads))
+    engine = Engine(
+        EngineConfig(dtype=args.dtype, num_threads=threads, paged_decode=args.paged_decode)
+    )
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.dtype)
@@ -198,7 +200,9 @@ def run_long(args: argparse.Namespace) -> dict:
     started, busy_before, own_before = time.perf_counter(), machine_busy_s(), _own_cpu_s()
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(dtype=args.dtype, num_threads=threads))
+    engine = Engine(
+        EngineConfig(dtype=args.dtype, num_threads=threads, paged_decode=args.paged_decode)
+    )
     ours = KvtierBench(engine)
     ours.generate_s(make_prompt(LONG_DECODE_PROMPT_LEN, 999), 2, cold=True)  # warm-up
     kv = long_context(ours.generate_s, args.repeats)
@@ -249,6 +253,7 @@ def _context(
             "torch": torch.__version__,
             "threads": threads,
             "dtype": args.dtype,
+            "paged_decode": args.paged_decode,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
@@ -340,6 +345,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--paged-decode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="EngineConfig.paged_decode (kvtier; default off, as the engine's)",
+    )
     parser.add_argument("--sequential-requests", type=int, default=2)
     parser.add_argument("--vllm-json", type=Path, default=None, help="vllm_cpu.py output")
     parser.add_argument("--long", action="store_true", help="the long-context suite")

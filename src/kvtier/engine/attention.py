@@ -1,7 +1,9 @@
 """Paged attention over the block pool with `scaled_dot_product_attention`.
 
 Per layer: the step's new K/V are written into their pool slots, then each query attends to
-its sequence's blocks. All decodes (one query each) go through ONE padded SDPA call with a
+its sequence's blocks. Decodes (one query each) read K/V straight from the pool where
+`PagedAttention.pages_decode` (engine/paged_decode.py); otherwise all go through ONE padded
+SDPA call over K/V gathered out of the pool, with a
 length mask. A prefill chunk on CPU is two flash-attention calls merged by their
 log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
 and against its own keys (a square, so plain `is_causal` skips the future half); see
@@ -73,7 +75,12 @@ class AttentionMetadata:
 
 class PagedAttention:
     def __init__(
-        self, pool: KVPool | QuantizedKVPool, num_heads: int, num_kv_heads: int, head_dim: int
+        self,
+        pool: KVPool | QuantizedKVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        paged_decode: bool = False,
     ) -> None:
         self.pool = pool
         self.num_heads = num_heads
@@ -82,6 +89,9 @@ class PagedAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.observers: list[AttentionObserver] = []
+        # EngineConfig.paged_decode, where the kernel applies and is built: settled here, once,
+        # so that no request switches paths midway (bf16 outputs of the two differ in last bits)
+        self.paged_decode = paged_decode and self._kernel_applies()
 
     @property
     def needs_weights(self) -> bool:
@@ -102,6 +112,25 @@ class PagedAttention:
             and not self.observers
         )
 
+    def _kernel_applies(self) -> bool:
+        """Whether `engine/paged_decode.py` can serve this pool: on the CPU, a plain `KVPool`
+        (not the packed `QuantizedKVPool`) of the shapes and dtypes `paged_decode.fits`, with
+        its C++ kernel built (a C++ compiler at hand; built or loaded from the cache here)."""
+        if self.pool.device.type != "cpu" or type(self.pool) is not KVPool:
+            return False
+        from kvtier.engine import paged_decode
+
+        fits = paged_decode.fits(self.pool.dtype, self.head_dim, self.pool.block_size)
+        return fits and paged_decode.available()
+
+    @property
+    def pages_decode(self) -> bool:
+        """Whether decodes read K/V straight from the pool (`engine/paged_decode.py`: no
+        gather, no padded copy) rather than gather + one padded SDPA call: when asked for
+        (`EngineConfig.paged_decode`) and where the kernel applies; observers are handed the
+        gathered keys, so not with them."""
+        return self.paged_decode and not self.observers
+
     def __call__(
         self,
         layer: int,
@@ -114,7 +143,19 @@ class PagedAttention:
         self.pool.write_slots(layer, meta.slot_index, k, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.pages_decode:
+            from kvtier.engine import paged_decode
+
+            out[:nd] = paged_decode.decode_attention(
+                self.pool.kv,
+                layer,
+                q[:nd],
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                torch.get_num_threads(),  # torch's own OpenMP threads: see `paged_decode`
+            )
+        elif nd:
             key, value = self.pool.gather(layer, meta.decode_block_tables, meta.slot_index)
             q_dec = q[:nd].unsqueeze(1)
             o = self._attend(

@@ -61,6 +61,13 @@ class EngineConfig:
     # background: 0.12 s of CPU to 3.7 s of wall time per GiB on this VM (more when the
     # hypervisor backs fresh guest memory on first touch).
     prefault_kv_pool: bool = True
+    # Decodes on CPU read K/V straight from the pool (engine/paged_decode.py, a C++ kernel
+    # built at engine start: no gather, no padded copy) instead of gather + one padded SDPA
+    # call; 1.2-1.5x faster decode at 8K. Off: its bf16 attention rows differ in the last bits
+    # from prefill's, so a turn resumed from KV that decodes wrote can answer otherwise than
+    # the same turn recomputed (tests/server/test_replicas.py; docs/engine.md, "A paged decode
+    # kernel"). Without a C++ compiler the engine logs it and keeps the gather.
+    paged_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):

@@ -89,7 +89,9 @@ class Engine:
                     value_group=config.kv_quant_group,
                     staging_blocks=config.max_num_seqs,
                 )
-            attention = PagedAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            attention = PagedAttention(
+                self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim, config.paged_decode
+            )
             self.model = LlamaModel(mc, load_weights(model_dir), attention, self.dtype, self.device)
         # Started once the weights are in, so it does not slow their loading (None: off).
         self.prefault = Prefaulter(self.kv_pool.buffers()) if config.prefault_kv_pool else None

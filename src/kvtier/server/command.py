@@ -59,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fault the KV pool's pages in on a background thread after start (default on: "
         "the first restores run at copy speed; the budget is resident at once)",
     )
+    parser.add_argument(
+        "--paged-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CPU decodes read K/V straight from the pool, no gather, C++ compiler needed "
+        "(default off: faster, but resumed turns may answer otherwise; docs/engine.md)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -218,6 +225,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         "device": args.device,
         "kv_cache_bytes": args.kv_cache_bytes,
         "prefault_kv_pool": args.prefault_kv_pool,
+        "paged_decode": args.paged_decode,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
