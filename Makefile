@@ -60,10 +60,11 @@ demo: model
 	    --beside out/bench/results.json
 
 # Debian packages the tests use (the tests start their own servers on loopback ports):
-# redis-server for the remote tier, nginx for the replica routing test.
+# redis-server for the remote tier, nginx for the replica routing test, g++ for the paged
+# decode kernel (engine/native.py builds it at run time; `--paged-decode`).
 system:
 	@missing=""; \
-	for tool in redis-server nginx; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
+	for tool in redis-server nginx g++; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q $$missing; \
 	  else echo "note:$$missing missing; their tests will be skipped (apt-get install$$missing)"; fi; \
