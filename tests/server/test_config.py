@@ -90,3 +90,29 @@ def test_anonymous_mode(engine):
     finally:
         stop_server(srv, thread)
     wait_idle(engine)
+
+
+@pytest.mark.slow
+def test_paged_decode_flag_builds_an_engine_that_decodes_from_the_pool():
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--paged-decode", "--kv-cache-bytes", str(64 << 20), "--threads", "2"])
+    engine = command.build_engine(args)
+    try:
+        # the flag reached the engine and the kernel was built here (g++ is a test dependency)
+        assert engine.model.attention.pages_decode
+        from kvtier.server.app import create_app
+
+        srv, thread = start_server(create_app(engine, command.build_server_config(args)))
+        try:
+            client = openai.OpenAI(base_url=srv.v1, api_key="anything", max_retries=0)
+            resp = client.completions.create(
+                model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
+            )
+            # six tokens: five of them decoded by the kernel, served over HTTP
+            assert resp.usage.completion_tokens == 6 and resp.choices[0].text.strip()
+        finally:
+            stop_server(srv, thread)
+        wait_idle(engine)
+    finally:
+        engine.close()
