@@ -96,7 +96,9 @@ def test_anonymous_mode(engine):
 def test_paged_decode_flag_builds_an_engine_that_decodes_from_the_pool():
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    args = parser.parse_args(["--paged-decode", "--kv-cache-bytes", str(64 << 20), "--threads", "2"])
+    args = parser.parse_args(
+        ["--paged-decode", "--kv-cache-bytes", str(64 << 20), "--threads", "2"]
+    )
     engine = command.build_engine(args)
     try:
         # the flag reached the engine and the kernel was built here (g++ is a test dependency)
