@@ -127,8 +127,10 @@ class SessionTable:
         old = self._slots
         self._slots = size
 
-        def grown(array: np.ndarray | None, fill: float | bool, dtype: type) -> np.ndarray:
-            shape = (size, *(array.shape[1:] if array is not None else ()))
+        def grown(
+            array: np.ndarray | None, fill: float | bool, dtype: type, row: tuple[int, ...] = ()
+        ) -> np.ndarray:
+            shape = (size, *(array.shape[1:] if array is not None else row))
             out = np.full(shape, fill, dtype=dtype)
             if array is not None:
                 out[:old] = array[:old]
@@ -146,10 +148,8 @@ class SessionTable:
         self._cap = grown(get("_cap"), 0, np.int64)
         self._top = grown(get("_top"), 0.0, float)
         self._priced = grown(get("_priced"), False, bool)
-        held = get("_held")  # bytes of the slot's chunks per tier rank, as loaded
-        self._held = np.zeros((size, len(TIER_RANK)))
-        if held is not None:
-            self._held[:old] = held[:old]
+        # bytes of the slot's chunks per tier rank, as loaded
+        self._held = grown(get("_held"), 0.0, float, (len(TIER_RANK),))
         for name in ("_q", "_d", "_prices"):
             if name in self.__dict__:
                 setattr(self, name, grown(get(name), 0.0, float))

@@ -17,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -434,6 +435,7 @@ def _seeds(args: argparse.Namespace) -> int:
     names = _names(args.policies)
     out = Path(args.out)
 
+    @functools.lru_cache(maxsize=1)  # the first seed's: the set-up lines read it too
     def requests(seed: int) -> list[Request]:
         args.seed = seed
         return _requests(args)

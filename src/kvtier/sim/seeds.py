@@ -24,7 +24,7 @@ from kvtier.policy.config import PolicyConfig
 from kvtier.results.records import RunRecords
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.simulator import simulate
-from kvtier.sim.sweep import FIXED_POLICIES, RESUMED_FIELDS, metrics_row, versus
+from kvtier.sim.sweep import FIXED_POLICIES, RESUMED_FIELDS, metrics_row, same, versus
 from kvtier.workload.model import Request
 
 SCHEMA = "kvtier.seeds/1"
@@ -112,7 +112,7 @@ def best_counts(rows: Sequence[Mapping[str, Any]], policies: Sequence[str]) -> d
         for field in RESUMED_FIELDS:
             best = min(group, key=lambda r: (r["failed"], r[field]))
             for r in group:
-                if r["failed"] == best["failed"] and r[field] <= best[field] * 1.005:
+                if r["failed"] == best["failed"] and same(r[field], best[field]):
                     counts[r["policy"]][field] += 1
     return counts
 

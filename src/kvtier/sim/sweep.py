@@ -158,7 +158,7 @@ def winners(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             )
             best = ranked[0]
             tied = [
-                r for r in ranked if r["failed"] == best["failed"] and _same(r[field], best[field])
+                r for r in ranked if r["failed"] == best["failed"] and same(r[field], best[field])
             ]
             rest = [r for r in ranked if r not in tied]
             margin = None
@@ -214,7 +214,7 @@ def _colour(winner: str, policies: Sequence[str]) -> int:
     return policies.index(winner) if "=" not in winner else len(policies)
 
 
-def _same(a: float, b: float) -> bool:
+def same(a: float, b: float) -> bool:
     """Within half a percent: not a difference the model can claim."""
     return abs(a - b) <= 0.005 * max(abs(a), abs(b))
 
