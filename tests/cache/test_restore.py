@@ -135,3 +135,46 @@ def test_chunk_read_straight_into_device_blocks(engine, expected, tmp_path, dama
         assert counters["restored_chunks_in_place"] >= 1
         assert out.metrics.prompt_token_sources["disk"] > 0
     assert_no_leak(engine)
+
+
+def test_a_load_failing_after_admission_recomputes_in_the_chunks_of_a_known_miss(
+    engine, expected, tmp_path, monkeypatch
+):
+    """Every stored chunk damaged and no prefetch, so the failures surface only when the
+    admitted request's loads run: it sits that step out, then computes the rest of its
+    prompt in the chunks the scheduler cuts from its last device hit, as for a miss known at
+    admission. Computing the step's tokens from the failed block at once would cut the
+    recompute where the failed load ended, and the answer could depend on when a failure
+    shows (bf16 matmuls round some row counts differently)."""
+    turns = make_turns(0)
+    _first_ref, second_ref = expected
+    computed: list[tuple[str, int, int]] = []  # (request, first position, tokens) per forward
+    execute = engine.runner.execute
+
+    def recording(scheduled, **kwargs):
+        computed.extend((r.request_id, r.num_computed_tokens, n) for r, n in scheduled)
+        return execute(scheduled, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", recording)
+    tiers = dataclasses.replace(tiers_for("disk", tmp_path), prefetch=False)
+    connector = attach_connector(engine, tiers, "offload")
+    first = run_first_and_flood(engine, turns)
+    assert connector.flush(timeout=30)
+    for segment in sorted((tmp_path / "d").glob("*.seg")):
+        data = bytearray(segment.read_bytes())
+        for at in range(4096, len(data), 4096):  # every record
+            data[at] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    computed.clear()
+    second, out = run_second(engine, turns, first)
+    assert connector.counters["restore_failures"] >= 1
+    sources = out.metrics.prompt_token_sources
+    assert sources["disk"] == 0
+    prompt = len(turns.second(first))
+    budget = engine.config.max_num_batched_tokens
+    hit = sources["device"]
+    chunks = [(start, n) for rid, start, n in computed if rid == out.request_id]
+    cut = [(at, min(budget, prompt - at)) for at in range(hit, prompt, budget)]
+    assert chunks[: len(cut)] == cut
+    assert second == second_ref
+    assert_no_leak(engine)

@@ -319,27 +319,39 @@ class Engine:
 
     def _load_handed_over(self, sched: SchedulerOutput) -> None:
         """Run the loads the scheduler handed the connector; a request whose load failed is
-        rolled back to its first unfilled block and computes from there (its scheduled
-        token count unchanged, so the step's budget holds): never wrong KV."""
+        rolled back to its first unfilled block and sits this step out: never wrong KV.
+
+        It computes from there from the next step on, in the chunks the scheduler cuts from
+        that position, as when the miss is known at admission (or a layer-wise load fails,
+        `_discard`). Computing its scheduled tokens from the failed block in this step
+        instead would cut the recompute where the planned load happened to end, and how
+        soon a failing prefetch reports decides which of the two a request gets: bf16
+        matmuls round some row counts differently, so the answer would depend on timing."""
         self.connector.start_loads()
         failed = self.connector.wait_for_loads()
         if not failed:
             return
         admitted = {r.request_id for r in sched.admitted}
-        for request, _ in sched.scheduled:
+        kept = []
+        for request, n in sched.scheduled:
             first_bad = failed.get(request.request_id)
-            if first_bad is not None:
-                self._roll_back(request, first_bad, request.request_id in admitted)
+            if first_bad is None or not self._roll_back(
+                request, first_bad, request.request_id in admitted
+            ):
+                kept.append((request, n))
+        sched.scheduled = kept
 
-    def _roll_back(self, request: Request, first_bad: int, admitted: bool) -> None:
-        """Make a request compute again from block `first_bad` (a load there failed)."""
+    def _roll_back(self, request: Request, first_bad: int, admitted: bool) -> bool:
+        """Make a request compute again from block `first_bad` (a load there failed); False
+        when nothing it counts as computed lies there or after."""
         position = first_bad * self.config.block_size
         if position >= request.num_computed_tokens:
-            return
+            return False
         if admitted and request.num_cached_tokens > position:
             self.kv_manager.prefix_hits -= request.num_cached_tokens - position
             request.num_cached_tokens = position
         request.num_computed_tokens = position
+        return True
 
     def _forward(self, scheduled: list[tuple[Request, int]]) -> tuple[StepResult, dict[str, int]]:
         """The model's step, with the connector's layer-by-layer loads beside it; the
