@@ -148,3 +148,41 @@ def test_a_row_that_cannot_be_sampled_fails_alone_with_the_same_draws(bf16_engin
     assert bad.finish_reason == "error" and "sampling" in (bad.error or "")
     # the batch call failed, its generators were put back, the row was sampled alone
     assert good.token_ids == alone.token_ids
+
+
+def test_a_greedy_answer_is_bitwise_the_same_alone_and_beside_a_request_that_joins(bf16_engine):
+    """A sequence decoding alone runs its matmuls on one row; once another request joins,
+    on many. oneDNN takes another kernel for one row, which rounded some outputs differently
+    on real activations, so the engine never hands it one row (`llama.Linear`): every step's
+    logits are the same bits either way, so the answer cannot change."""
+    engine = bf16_engine
+    good = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    steps: dict[str, list[torch.Tensor]] = {}
+    inner, phase = engine.sampler, ["alone"]
+
+    def recording(logits, params, generators):
+        for row, p in enumerate(params):
+            if p.max_tokens == good.max_tokens and p.temperature == 0:
+                steps.setdefault(phase[0], []).append(logits[row].clone())
+        return inner(logits, params, generators)
+
+    prompt = [{"role": "user", "content": CHATS[3]}]
+    engine.sampler = recording
+    try:
+        engine.add_request(prompt, good)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.reset_prefix_cache()
+        phase[0] = "beside"
+        engine.add_request(prompt, good)
+        for step in range(good.max_tokens + 8):
+            engine.step()
+            if step == 2:  # mid-answer: its prefill joins the decodes
+                engine.add_request("Name a colour.", SamplingParams(temperature=0.7, seed=3))
+            if not engine.has_unfinished_requests():
+                break
+    finally:
+        engine.sampler = inner
+    assert len(steps["alone"]) == len(steps["beside"]) == good.max_tokens
+    for alone, beside in zip(steps["alone"], steps["beside"], strict=True):
+        assert torch.equal(alone, beside)

@@ -140,6 +140,14 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+# oneDNN computes a one-row bf16 matmul with another kernel, and past 1,024 input features
+# that kernel rounds some outputs differently from the same row in a call of 2 to 700 rows
+# (measured on real activations: 10% of the down projection's rows of SmolLM2, none of its
+# 576-feature matmuls; docs/engine.md "One-row matmuls"). A sequence decoding alone would then
+# answer otherwise than beside another request, so `Linear` never hands it one such row.
+ONE_ROW_MAX_IN = 1024
+
+
 class Linear:
     """y = x @ W^T (+ b), with the weight pre-packed for oneDNN on CPU in bf16.
 
@@ -155,9 +163,14 @@ class Linear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        if x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > ONE_ROW_MAX_IN:
+            return self._packed(x.expand(2, -1).contiguous())[:1]
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
