@@ -61,7 +61,7 @@ demo: model
 
 # Debian packages the tests use (the tests start their own servers on loopback ports):
 # redis-server for the remote tier, nginx for the replica routing test, g++ for the paged
-# decode kernel (engine/native.py builds it at run time; `--paged-decode`).
+# decode kernel (engine/native.py builds it at run time; on by default, `--no-paged-decode`).
 system:
 	@missing=""; \
 	for tool in redis-server nginx g++; do command -v $$tool >/dev/null || missing="$$missing $$tool"; done; \

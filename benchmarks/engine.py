@@ -348,8 +348,8 @@ def main() -> None:
     parser.add_argument(
         "--paged-decode",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="EngineConfig.paged_decode (kvtier; default off, as the engine's)",
+        default=True,
+        help="EngineConfig.paged_decode (kvtier; default on, as the engine's)",
     )
     parser.add_argument("--sequential-requests", type=int, default=2)
     parser.add_argument("--vllm-json", type=Path, default=None, help="vllm_cpu.py output")

@@ -93,16 +93,16 @@ def test_anonymous_mode(engine):
 
 
 @pytest.mark.slow
-def test_paged_decode_flag_builds_an_engine_that_decodes_from_the_pool():
+@pytest.mark.parametrize("flag", [[], ["--paged-decode"], ["--no-paged-decode"]])
+def test_paged_decode_flag_builds_an_engine_that_decodes_from_the_pool(flag):
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    args = parser.parse_args(
-        ["--paged-decode", "--kv-cache-bytes", str(64 << 20), "--threads", "2"]
-    )
+    args = parser.parse_args([*flag, "--kv-cache-bytes", str(64 << 20), "--threads", "2"])
     engine = command.build_engine(args)
     try:
-        # the flag reached the engine and the kernel was built here (g++ is a test dependency)
-        assert engine.model.attention.pages_decode
+        # on by default and with the flag, the kernel built here (g++ is a test dependency);
+        # off with --no-paged-decode: gather + SDPA
+        assert engine.model.attention.pages_decode == (flag != ["--no-paged-decode"])
         from kvtier.server.app import create_app
 
         srv, thread = start_server(create_app(engine, command.build_server_config(args)))
@@ -111,7 +111,7 @@ def test_paged_decode_flag_builds_an_engine_that_decodes_from_the_pool():
             resp = client.completions.create(
                 model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0
             )
-            # six tokens: five of them decoded by the kernel, served over HTTP
+            # six tokens: five of them decoded (by the kernel unless it is off), over HTTP
             assert resp.usage.completion_tokens == 6 and resp.choices[0].text.strip()
         finally:
             stop_server(srv, thread)

@@ -63,11 +63,12 @@ class EngineConfig:
     prefault_kv_pool: bool = True
     # Decodes on CPU read K/V straight from the pool (engine/paged_decode.py, a C++ kernel
     # built at engine start: no gather, no padded copy) instead of gather + one padded SDPA
-    # call; 1.2-1.5x faster decode at 8K. Off: its bf16 attention rows differ in the last bits
-    # from prefill's, so a turn resumed from KV that decodes wrote can answer otherwise than
-    # the same turn recomputed (tests/server/test_replicas.py; docs/engine.md, "A paged decode
-    # kernel"). Without a C++ compiler the engine logs it and keeps the gather.
-    paged_decode: bool = False
+    # call; 1.2-1.5x faster decode at 8K. Its bf16 attention rows differ in the last bits
+    # from prefill's, which once made turns resumed from KV that decodes wrote answer
+    # otherwise than recomputed; with one-row matmuls computed as two (llama.Linear) the
+    # restore tests hold with it on (docs/engine.md, "A paged decode kernel"). Without a C++
+    # compiler the engine logs it and keeps the gather; False keeps it too.
+    paged_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):

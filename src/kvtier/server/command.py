@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="CPU decodes read K/V straight from the pool, no gather, C++ compiler needed "
-        "(default off: faster, but resumed turns may answer otherwise; docs/engine.md)",
+        "(default on where it builds; --no-paged-decode: gather + SDPA; docs/engine.md)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
