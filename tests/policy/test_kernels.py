@@ -7,10 +7,11 @@ import dataclasses
 import random
 
 import numpy as np
+import pytest
 
 from kvtier.policy.cost_model import Prices
 from kvtier.policy.cost_policy import CostPolicy, _chunk_table
-from kvtier.policy.kernels import upgrade
+from kvtier.policy.kernels import MAX_TIERS, induction, upgrade
 from kvtier.policy.view import TIER_RANK
 from kvtier.policy.view_diff import ViewDiff
 
@@ -84,6 +85,60 @@ def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
         # the same bits: equal values, -inf where a tier is faster than the chunk's
         assert values.tobytes() == np.ascontiguousarray(want_values).tobytes()
         assert np.isinf(values).any() and (values > 0).any()
+
+
+def test_a_chunk_keeps_the_option_of_a_tier_two_below_its_own(kv):
+    """The continuation of holding a chunk in a tier is the best of that tier and every tier
+    below it, not only the next one down: here the next interval in the device or on host
+    is worth less than nothing (their rent) and on disk something, so the device's value
+    carries the disk's option. Worked by hand for two stages."""
+    gain = np.array([[1.0], [0.9], [0.8]])  # device, host, disk: what a return saves
+    size, prices = np.array([1.0]), np.array([2.0, 3.0, 0.1])  # rent per second
+    q, d = np.array([[0.5, 0.5]]), np.array([[0.1, 1.0]])
+    values, saves = np.empty((1, 3)), np.empty((1, 3))
+    zero = np.zeros(1, dtype=np.int64)
+    induction(gain, size, prices, q, d, zero, zero, np.arange(3), zero, values, saves)
+    stage = [max(0.0, 0.5 * g - p * 1.0) for g, p in ((1.0, 2.0), (0.9, 3.0), (0.8, 0.1))]
+    assert stage == [0.0, 0.0, 0.30000000000000004]  # only the disk's next stage is worth it
+    want = [0.5 * g - p * 0.1 + 0.5 * stage[2] for g, p in ((1.0, 2.0), (0.9, 3.0), (0.8, 0.1))]
+    assert values[0].tolist() == want
+    assert saves[0].tolist() == gain[:, 0].tolist()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_compiled_induction_equals_numpy_passes_on_random_inputs(count):
+    """Any tier count the views have (device alone up to remote), scattered output rows,
+    schedules that end early (d = 0), values of both signs, a NaN gain: the same bits as the
+    numpy passes, whichever tier below a chunk's is its best continuation."""
+    assert len(TIER_RANK) == MAX_TIERS  # the kernel holds this many tiers in registers
+    rng = np.random.default_rng(count)
+    sessions, stages, per = 40, 9, 7
+    n = sessions * per
+    gain = rng.normal(size=(count, n)) * rng.choice([1e-6, 1.0, 1e3], size=(count, n))
+    gain[0, 5] = np.nan
+    size = rng.random(n) * 1e7
+    prices = rng.random(count) * 1e-8
+    q = rng.random((sessions, stages)) * 0.3
+    d = rng.choice([0.0, 5.0, 40.0, 600.0], size=(sessions, stages))
+    row_session = np.repeat(np.arange(sessions), per)
+    rank = rng.integers(0, count, n)
+    tier_rank = np.arange(count)
+    at = rng.permutation(2 * n)[:n]
+    values, saves = np.zeros((2 * n, count)), np.zeros((2 * n, count))
+    induction(gain, size, prices, q, d, row_session, rank, tier_rank, at, values, saves)
+
+    rent = prices[:, None] * size[None, :]
+    qs, ds = q[row_session].T, d[row_session].T
+    later = np.zeros_like(gain)
+    for k in range(stages - 1, 0, -1):
+        stage = np.maximum(qs[k] * gain - rent * ds[k] + (1 - qs[k]) * later, 0.0)
+        for j in range(count - 2, -1, -1):
+            stage[j] = np.maximum(stage[j], stage[j + 1])
+        later = stage
+    want = qs[0] * gain - rent * ds[0] + (1 - qs[0]) * later
+    want[tier_rank[:, None] < rank[None, :]] = -np.inf
+    assert values[at].tobytes() == np.ascontiguousarray(want.T).tobytes()
+    assert saves[at].tobytes() == np.ascontiguousarray(gain.T).tobytes()
 
 
 def _upgrade_reference(values, size, room, placed):

@@ -4,11 +4,10 @@ over every candidate chunk, and the predictor's rebuild of a distribution after 
 `CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
 stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
 each stage is several passes over [tiers, chunks] arrays, with every session's schedule first
-repeated out to its chunks; this kernel (numba: LLVM, no C compiler) takes one session's
-chunks (contiguous rows) at a time, its schedule as scalars, in loops over those chunks that
-LLVM vectorises, and does per element the same IEEE operations in the same order (no
-fast-math, so no reassociation or fused multiply-add): the values are bit for bit those of the
-numpy passes (tests/policy/test_kernels.py checks it on a decision's inputs).
+repeated out to its chunks; this kernel (numba: LLVM, no C compiler) takes one chunk at a time,
+its tiers' values in scalars, and does per element the same IEEE operations in the same order
+(no fast-math, so no reassociation or fused multiply-add): the values are bit for bit those of
+the numpy passes (tests/policy/test_kernels.py checks it on a decision's inputs).
 
 The allocation's last pass (`upgrade`) walks the chunks one by one, each taking the best tier
 that still has room for it: sequential by nature, it was a Python loop over every chunk that
@@ -35,6 +34,14 @@ import numpy as np
 
 from kvtier.jit import compiled
 
+MAX_TIERS = 4  # device, host, disk, remote: the kernel keeps each tier's values in registers
+
+
+@compiled("float64(float64, float64)", inline="always")
+def _at_least(value, floor):  # pragma: no cover - compiled
+    """numpy's `maximum(value, floor)`: NaN wins, and of equals the first (so -0.0 stays)."""
+    return value if (value >= floor or value != value) else floor
+
 
 @compiled(
     "void(float64[:,::1], float64[::1], float64[::1], float64[:,::1], float64[:,::1],"
@@ -46,52 +53,55 @@ def induction(  # pragma: no cover - compiled
     """values[at[c], j]: chunk c's value held in tier column j (-inf where j is faster than
     the chunk's tier `rank[c]`; `tier_rank[j]` is column j's rank); saves[at[c], j] =
     gain[j, c]. gain [tiers, chunks]: what a return saves; rent per second is prices[j] *
-    size[c]; chunk c's schedule is row
-    `row_session[c]` of q, d [sessions, stages] (zero past its grid); rows are in session
-    order, each session's contiguous.
+    size[c]; chunk c's schedule is row `row_session[c]` of q, d [sessions, stages] (zero
+    past its grid). At most `MAX_TIERS` tiers.
 
         V_K = 0,  V_k(j) = max(0, max over j' >= j of
                                q_k gain[j'] - rent[j'] d_k + (1 - q_k) V_k+1(j'))
         out[j] = q_0 gain[j] - rent[j] d_0 + (1 - q_0) V_1(j)
 
-    Each max is numpy's `maximum` (NaN wins, the first of equals)."""
-    count, n = gain.shape
+    Each max is numpy's `maximum`; the max over j' >= j is taken from the slowest tier up,
+    each tier's stage against the running max of those below it. One chunk at a time, its
+    tiers in scalars: a chunk's stages depend on each other, chunks do not, so the CPU
+    overlaps neighbouring chunks. Tiers past `count` are padded with a stage of exactly 0,
+    which leaves every max as it is (the stages it meets are already at least 0)."""
+    count = gain.shape[0]
+    n = gain.shape[1]
     stages = q.shape[1]
-    later = np.zeros((count, n))
-    stage = np.empty((count, n))
-    first = 0
-    while first < n:  # one session's rows at a time (they are contiguous): its schedule is
-        s = row_session[first]  # scalars there and each inner loop runs over its chunks
-        end = first + 1
-        while end < n and row_session[end] == s:
-            end += 1
+    price = np.zeros(MAX_TIERS)
+    price[:count] = prices
+    g = np.zeros(MAX_TIERS)
+    later = np.zeros(MAX_TIERS)
+    for c in range(n):
+        s = row_session[c]
+        b = size[c]
+        for j in range(count):
+            g[j] = gain[j, c]
+        g0, g1, g2, g3 = g[0], g[1], g[2], g[3]
+        r0, r1, r2, r3 = price[0] * b, price[1] * b, price[2] * b, price[3] * b
+        l0 = l1 = l2 = l3 = 0.0
         for k in range(stages - 1, 0, -1):
             qk = q[s, k]
             dk = d[s, k]
-            for j in range(count):
-                price = prices[j]
-                for c in range(first, end):
-                    v = qk * gain[j, c] - price * size[c] * dk + (1 - qk) * later[j, c]
-                    stage[j, c] = v if (v >= 0.0 or v != v) else 0.0
-            for j in range(count - 2, -1, -1):
-                for c in range(first, end):
-                    a = stage[j, c]
-                    b = stage[j + 1, c]
-                    later[j, c] = a if (a >= b or a != a) else b
-            for c in range(first, end):
-                later[count - 1, c] = stage[count - 1, c]
+            stay = 1 - qk
+            a0 = _at_least(qk * g0 - r0 * dk + stay * l0, 0.0)
+            a1 = _at_least(qk * g1 - r1 * dk + stay * l1, 0.0)
+            a2 = _at_least(qk * g2 - r2 * dk + stay * l2, 0.0)
+            l3 = _at_least(qk * g3 - r3 * dk + stay * l3, 0.0)
+            l2 = _at_least(a2, l3)
+            l1 = _at_least(a1, l2)
+            l0 = _at_least(a0, l1)
+        later[0], later[1], later[2], later[3] = l0, l1, l2, l3
         q0 = q[s, 0]
         d0 = d[s, 0]
-        for c in range(first, end):
-            row = at[c]
-            for j in range(count):
-                saves[row, j] = gain[j, c]
-                if tier_rank[j] < rank[c]:
-                    values[row, j] = -np.inf  # no promotions
-                else:
-                    v = q0 * gain[j, c] - prices[j] * size[c] * d0 + (1 - q0) * later[j, c]
-                    values[row, j] = v
-        first = end
+        stay = 1 - q0
+        row = at[c]
+        for j in range(count):
+            saves[row, j] = g[j]
+            if tier_rank[j] < rank[c]:
+                values[row, j] = -np.inf  # no promotions
+            else:
+                values[row, j] = q0 * g[j] - price[j] * b * d0 + stay * later[j]
 
 
 @compiled("void(float64[:,::1], float64[::1], float64[::1], int64[::1])")
