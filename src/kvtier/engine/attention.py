@@ -4,12 +4,13 @@ Per layer: the step's new K/V are written into their pool slots, then each query
 its sequence's blocks. Decodes (one query each) read K/V straight from the pool where
 `PagedAttention.pages_decode` (engine/paged_decode.py); otherwise all go through ONE padded
 SDPA call over K/V gathered out of the pool, with a
-length mask. A prefill chunk on CPU is two flash-attention calls merged by their
-log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
-and against its own keys (a square, so plain `is_causal` skips the future half); see
-`_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
-split along the query axis with additive causal masks, so that query rows never multiply
-against keys that lie in their future (a causal mask alone still pays for those products).
+length mask. A prefill chunk on CPU (bf16 and float32) is, per 512-position stretch counted
+from position 0, two flash-attention calls merged by their log-sum-exp: its queries against
+the keys before the stretch (all visible: no mask at all) and against the stretch's keys (a
+square, so plain `is_causal` skips the future half); see `_prefill_split`. Elsewhere, or
+when an observer must see the chunk's keys, the chunk is split along the query axis with
+additive causal masks, so that query rows never multiply against keys that lie in their
+future (a causal mask alone still pays for those products).
 
 Grouped-query attention is folded rather than repeated: the query heads sharing a KV head
 are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read once per
@@ -110,9 +111,10 @@ class PagedAttention:
         It needs the CPU flash kernel's log-sum-exp output, and observers are handed the
         whole span's keys, which this path never gathers. In bf16 the kernel hands back each
         partial output rounded to bf16 before the merge; measured against transformers in
-        float32 on two 1,500-token prompts that costs nothing visible next to bf16's own
-        error (mean |logit diff| 0.104 / 0.107 split, 0.098 / 0.110 masked; top-1
-        agreement 90.0% / 92.7% split, 89.3% / 91.7% masked; docs/engine.md)."""
+        float32 on two random 1,500-token prompts that costs nothing visible next to bf16's
+        own error (`benchmarks/bf16_drift.py`, 2 threads: mean |logit diff| 0.105 / 0.106
+        split, 0.100 / 0.110 masked; top-1 agreement 89.4% / 91.9% split, 89.9% / 90.9%
+        masked)."""
         return self.pool.device.type == "cpu" and not self.observers
 
     def _kernel_applies(self) -> bool:
