@@ -4,12 +4,13 @@ Per layer: the step's new K/V are written into their pool slots, then each query
 its sequence's blocks. Decodes (one query each) read K/V straight from the pool where
 `PagedAttention.pages_decode` (engine/paged_decode.py); otherwise all go through ONE padded
 SDPA call over K/V gathered out of the pool, with a
-length mask. A prefill chunk on CPU is two flash-attention calls merged by their
-log-sum-exp: its queries against the keys of earlier chunks (all visible: no mask at all)
-and against its own keys (a square, so plain `is_causal` skips the future half); see
-`_prefill_split`. Elsewhere, or when an observer must see the chunk's keys, the chunk is
-split along the query axis with additive causal masks, so that query rows never multiply
-against keys that lie in their future (a causal mask alone still pays for those products).
+length mask. A prefill chunk on CPU (bf16 and float32) is, per 512-position stretch counted
+from position 0, two flash-attention calls merged by their log-sum-exp: its queries against
+the keys before the stretch (all visible: no mask at all) and against the stretch's keys (a
+square, so plain `is_causal` skips the future half); see `_prefill_split`. Elsewhere, or
+when an observer must see the chunk's keys, the chunk is split along the query axis with
+additive causal masks, so that query rows never multiply against keys that lie in their
+future (a causal mask alone still pays for those products).
 
 Grouped-query attention is folded rather than repeated: the query heads sharing a KV head
 are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read once per
@@ -18,6 +19,7 @@ KV head instead of being copied `group` times.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +28,11 @@ import torch.nn.functional as F
 from kvtier.engine.hooks import AttentionObserver
 from kvtier.engine.kv_pool import KVPool, SlotPlan
 from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
+
+# Where `PagedAttention._prefill_split` cuts a prompt's positions, counted from position 0:
+# the scheduler's default chunk (`EngineConfig.max_num_batched_tokens`), so that a prompt
+# prefilled alone is cut only where its chunks end anyway.
+SPLIT_ALIGN = 512
 
 
 @dataclass
@@ -102,15 +109,13 @@ class PagedAttention:
         """Whether prefill chunks take `_prefill_split` (then the runner builds no masks).
 
         It needs the CPU flash kernel's log-sum-exp output, and observers are handed the
-        whole span's keys, which this path never gathers. Float32 only: in bf16 the kernel
-        returns each partial output rounded to bf16 before the merge, and that second
-        rounding tripled the logit error against transformers on a 1,500-token prompt (mean
-        |diff| 0.092 instead of 0.027, top-1 agreement 94.5% instead of 97.5%)."""
-        return (
-            self.pool.device.type == "cpu"
-            and self.pool.dtype == torch.float32
-            and not self.observers
-        )
+        whole span's keys, which this path never gathers. In bf16 the kernel hands back each
+        partial output rounded to bf16 before the merge; measured against transformers in
+        float32 on two random 1,500-token prompts that costs nothing visible next to bf16's
+        own error (`benchmarks/bf16_drift.py`, 2 threads: mean |logit diff| 0.105 / 0.106
+        split, 0.100 / 0.110 masked; top-1 agreement 89.4% / 91.9% split, 89.9% / 90.9%
+        masked)."""
+        return self.pool.device.type == "cpu" and not self.observers
 
     def _kernel_applies(self) -> bool:
         """Whether `engine/paged_decode.py` can serve this pool: on the CPU, a plain `KVPool`
@@ -201,33 +206,62 @@ class PagedAttention:
     ) -> torch.Tensor:
         """One prefill chunk, q [n, heads, D], k/v [n, kv_heads, D] -> [n, heads, D].
 
-        Its own keys: a square causal call on the chunk's K/V as computed (no pool read),
-        heads unfolded (K/V repeated `group` times, only n rows). Earlier positions: every
-        one visible to every query, so one unmasked call with GQA folded (K/V of the past
-        read once per KV head). Softmax over the union = the two partial outputs weighted
-        by exp(their log-sum-exp - the union's). Measured on this CPU, 1 thread, the last
-        512-token chunk of an 8K prompt, one layer: 63 ms instead of 110 ms for masked
-        256-row sub-chunks, and no masks to build (12 MB each at 8K).
+        Positions are cut at fixed `SPLIT_ALIGN` boundaries counted from position 0, not at
+        the chunk's edges: a query at position p in the stretch [a, a + SPLIT_ALIGN) attends
+        to [a, p] in a square causal call over [a, end of the chunk's part of that stretch)
+        and to [0, a) in one unmasked call, the two merged by their log-sum-exp (softmax over
+        the union = the two partial outputs weighted by exp(their lse - the union's)). So
+        where the chunk starts (a prefix hit, a restore, a budget shared with decodes) does
+        not move the split: a chunk starting inside a stretch takes the stretch's earlier
+        keys from the pool and pads its queries in front with zero rows (discarded). The
+        same prompt alone and after a prefix hit then gives the same bits, which the server
+        tests hold it to (splitting at the chunk's start did not). Measured on this CPU, 1
+        thread, the last 512-token chunk of an 8K prompt, one layer: 63 ms instead of 110 ms
+        for masked 256-row sub-chunks, and no masks to build (12 MB each at 8K).
         """
         n = q.shape[0]
-        q_heads = q.transpose(0, 1).contiguous()  # [heads, n, D]: head h = kv * group + g
-        own_k = k.transpose(0, 1).repeat_interleave(self.group, 0)
-        own_v = v.transpose(0, 1).repeat_interleave(self.group, 0)
-        out, lse = _flash(q_heads[None], own_k[None], own_v[None], is_causal=True)
-        past = span.past_len
-        if past:
-            table = span.block_table[:, : -(-past // self.pool.block_size)]
+        start = span.past_len  # position of the chunk's first row
+        stops = list(range((start // SPLIT_ALIGN + 1) * SPLIT_ALIGN, start + n, SPLIT_ALIGN))
+        edges = [start, *stops, start + n]
+        # Keys needed from the pool: [0, a) of every piece, and [a, start) of the first;
+        # this step's K/V are already written there.
+        from_pool = max(stops[-1] if stops else 0, start)
+        key = value = None
+        if from_pool:
+            table = span.block_table[:, : -(-from_pool // self.pool.block_size)]
             key, value = self.pool.gather(layer, table, meta.slot_index)
-            # Folded: [kv_heads, group * n, D] is the same memory as [heads, n, D].
-            folded = q_heads.view(1, self.num_kv_heads, self.group * n, self.head_dim)
-            past_out, past_lse = _flash(folded, key[:, :, :past], value[:, :, :past])
-            past_out = past_out.reshape(out.shape)
-            past_lse = past_lse.reshape(lse.shape)
-            total = torch.logaddexp(lse, past_lse)
-            merged = out.float() * (lse - total).exp_()[..., None]
-            merged += past_out.float() * (past_lse - total).exp_()[..., None]
-            out = merged.to(q.dtype)
-        return out[0].transpose(0, 1)
+        out = torch.empty_like(q)
+        for lo, hi in itertools.pairwise(edges):
+            a = lo // SPLIT_ALIGN * SPLIT_ALIGN
+            rows = slice(lo - start, hi - start)
+            own_k, own_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv_heads, m, D]
+            q_rows = q[rows].transpose(0, 1)  # [heads, m, D]: head h = kv * group + g
+            if lo > a:  # the stretch's earlier positions, and zero queries in front of them
+                own_k = torch.cat([key[0, :, a:lo], own_k], dim=1)
+                own_v = torch.cat([value[0, :, a:lo], own_v], dim=1)
+                q_rows = torch.cat(
+                    [q_rows.new_zeros(self.num_heads, lo - a, self.head_dim), q_rows], 1
+                )
+            own, lse = _flash(
+                q_rows.contiguous()[None],
+                own_k.repeat_interleave(self.group, 0)[None],
+                own_v.repeat_interleave(self.group, 0)[None],
+                is_causal=True,
+            )
+            own, lse = own[0, :, lo - a :], lse[0, :, lo - a :]  # [heads, m, D], [heads, m]
+            if a:
+                m = hi - lo
+                # Folded: [kv_heads, group * m, D] is the same memory as [heads, m, D].
+                folded = q[rows].transpose(0, 1).reshape(1, self.num_kv_heads, self.group * m, -1)
+                past_out, past_lse = _flash(folded, key[:, :, :a], value[:, :, :a])
+                past_out = past_out.reshape(own.shape)
+                past_lse = past_lse.reshape(lse.shape)
+                total = torch.logaddexp(lse, past_lse)
+                merged = own.float() * (lse - total).exp_()[..., None]
+                merged += past_out.float() * (past_lse - total).exp_()[..., None]
+                own = merged
+            out[rows] = own.transpose(0, 1)
+        return out
 
     def _attend(
         self,
