@@ -25,18 +25,27 @@ def _reference(policy, chunks, q, d, prices, tiers):
     weight = chunks.weight[chunks.row_session]
     recompute = policy.model.chunk_recompute_s(tokens, start)
     gain = np.stack([weight * (recompute - policy.model.load_s(chunks.size, t)) for t in tiers])
-    rent = prices[:, None] * chunks.size[None, :]
-    q, d = q[chunks.row_session].T, d[chunks.row_session].T
+    tier_rank = np.array([TIER_RANK[t] for t in tiers])
+    values = _numpy_induction(
+        gain, chunks.size, prices, q, d, chunks.row_session, chunks.rank, tier_rank
+    )
+    return values.T, gain.T
+
+
+def _numpy_induction(gain, size, prices, q, d, row_session, rank, tier_rank):
+    """The backward induction as numpy passes over [tiers, chunks] (the kernel's arguments,
+    each session's schedule repeated out to its chunks): values [tiers, chunks]."""
+    rent = prices[:, None] * size[None, :]
+    q, d = q[row_session].T, d[row_session].T
     later = np.zeros_like(gain)
     for k in range(q.shape[0] - 1, 0, -1):
         stage = np.maximum(q[k] * gain - rent * d[k] + (1 - q[k]) * later, 0.0)
-        for j in range(len(tiers) - 2, -1, -1):
+        for j in range(len(gain) - 2, -1, -1):
             stage[j] = np.maximum(stage[j], stage[j + 1])
         later = stage
     values = q[0] * gain - rent * d[0] + (1 - q[0]) * later
-    tier_rank = np.array([TIER_RANK[t] for t in tiers])
-    values[tier_rank[:, None] < chunks.rank[None, :]] = -np.inf
-    return values.T, gain.T
+    values[tier_rank[:, None] < rank[None, :]] = -np.inf
+    return values
 
 
 def _decision_inputs(kv, policy, rng, now, occupied):
@@ -87,7 +96,7 @@ def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
         assert np.isinf(values).any() and (values > 0).any()
 
 
-def test_a_chunk_keeps_the_option_of_a_tier_two_below_its_own(kv):
+def test_a_chunk_keeps_the_option_of_a_tier_two_below_its_own():
     """The continuation of holding a chunk in a tier is the best of that tier and every tier
     below it, not only the next one down: here the next interval in the device or on host
     is worth less than nothing (their rent) and on disk something, so the device's value
@@ -126,17 +135,7 @@ def test_compiled_induction_equals_numpy_passes_on_random_inputs(count):
     at = rng.permutation(2 * n)[:n]
     values, saves = np.zeros((2 * n, count)), np.zeros((2 * n, count))
     induction(gain, size, prices, q, d, row_session, rank, tier_rank, at, values, saves)
-
-    rent = prices[:, None] * size[None, :]
-    qs, ds = q[row_session].T, d[row_session].T
-    later = np.zeros_like(gain)
-    for k in range(stages - 1, 0, -1):
-        stage = np.maximum(qs[k] * gain - rent * ds[k] + (1 - qs[k]) * later, 0.0)
-        for j in range(count - 2, -1, -1):
-            stage[j] = np.maximum(stage[j], stage[j + 1])
-        later = stage
-    want = qs[0] * gain - rent * ds[0] + (1 - qs[0]) * later
-    want[tier_rank[:, None] < rank[None, :]] = -np.inf
+    want = _numpy_induction(gain, size, prices, q, d, row_session, rank, tier_rank)
     assert values[at].tobytes() == np.ascontiguousarray(want.T).tobytes()
     assert saves[at].tobytes() == np.ascontiguousarray(gain.T).tobytes()
 
