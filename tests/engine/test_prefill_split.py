@@ -36,7 +36,7 @@ def test_bf16_prefill_chunk_over_a_cached_past_matches_by_hand(past):
     # Slots nobody writes (the rest of the last block) hold large values: attending to one
     # would show.
     pool.kv.fill_(30.0)
-    n, layer, table = 11, 1, [9, 3, 14, 0, 7, 11, 2, 5, 10]
+    n, layer, table = 11, 1, [9, 3, 14, 0, 7, 11, 2, 5, 10]  # `prefill` uses layer 1
     gen = torch.Generator().manual_seed(past)
     keys, values = torch.randn(2, KV_HEADS, past + n, HEAD_DIM, generator=gen).bfloat16()
     if past:
@@ -44,24 +44,10 @@ def test_bf16_prefill_chunk_over_a_cached_past_matches_by_hand(past):
         tokens[layer] = torch.stack([keys[:, :past], values[:, :past]])
         pool.write_tokens(table, tokens)
     q = torch.randn(n, HEADS, HEAD_DIM, generator=gen).bfloat16()
-    positions = torch.arange(past, past + n)
-    meta = AttentionMetadata(
-        slot_index=pool.plan_writes(torch.tensor(table)[positions // BLOCK], positions % BLOCK)
-    )
-    meta.prefills.append(
-        PrefillSpan(
-            request_id="r",
-            token_start=0,
-            token_end=n,
-            block_table=torch.tensor([table[: -(-(past + n) // BLOCK)]]),
-            context_len=past + n,
-            chunks=[],
-        )
-    )
-    attention = PagedAttention(pool, HEADS, KV_HEADS, HEAD_DIM)
-    assert attention.splits_prefill
-    own_k, own_v = keys[:, past:].transpose(0, 1), values[:, past:].transpose(0, 1)
-    out = attention(layer, q, own_k.contiguous(), own_v.contiguous(), meta)
+    # the past's queries are not used: its K/V are already in the pool
+    whole_q = torch.cat([q.new_zeros(past, HEADS, HEAD_DIM), q])
+    by_position = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
+    out = prefill(pool, whole_q, *by_position, table, [past, past + n])
     want = reference(q, keys, values)
     assert out.dtype == torch.bfloat16
     # bf16 keeps 8 bits of mantissa: outputs of magnitude ~1 are good to ~1e-2.
