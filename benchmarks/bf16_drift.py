@@ -17,19 +17,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM
+from drift_common import NoOpObserver, random_prompt, reference_model, report
 
 from kvtier.engine import Engine, EngineConfig
-from kvtier.models import resolve_model_dir
-
-
-class _NoOpObserver:
-    """Sees nothing; attached only so that prefill takes the masked path."""
-
-    needs_weights = False
-
-    def observe(self, *args: object) -> None:
-        pass
 
 
 def main() -> None:
@@ -39,14 +29,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(resolve_model_dir(None)), dtype=torch.float32
-    ).eval()
+    reference = reference_model()
     engine = Engine(EngineConfig(dtype="bfloat16", num_threads=args.threads))
-    masked = _NoOpObserver()
+    masked = NoOpObserver()  # attached: prefill takes the masked path
     for seed in args.seeds:
-        generator = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(100, 49152, (args.tokens,), generator=generator).tolist()
+        prompt = random_prompt(seed, args.tokens)
         with torch.inference_mode():
             want = reference(torch.tensor([prompt])).logits[0, 512:].float()
         for path in ("split", "masked"):
@@ -57,12 +44,7 @@ def main() -> None:
             if path == "masked":
                 engine.remove_attention_observer(masked)
             got = out.logits[512:]
-            diff = (got - want).abs()
-            agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            print(
-                f"seed {seed} {path:6s}: mean |diff| {diff.mean():.4f}  max {diff.max():.2f}  "
-                f"top-1 agreement {100 * agree:.1f}%"
-            )
+            report(seed, path, got, want)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM
+from drift_common import NoOpObserver, random_prompt, reference_model, report
 
 from kvtier.engine import Engine, EngineConfig, SamplingParams
-from kvtier.models import resolve_model_dir
-
-
-class _NoOpObserver:
-    """Sees nothing; attached only so that decodes take the gather + SDPA path."""
-
-    needs_weights = False
-
-    def observe(self, *args: object) -> None:
-        pass
 
 
 def main() -> None:
@@ -40,9 +30,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(resolve_model_dir(None)), dtype=torch.float32
-    ).eval()
+    reference = reference_model()
     engine = Engine(EngineConfig(dtype="bfloat16", num_threads=args.threads, paged_decode=True))
     steps: list[torch.Tensor] = []
     execute = engine.runner.execute
@@ -54,11 +42,10 @@ def main() -> None:
         return result
 
     engine.runner.execute = recording
-    gather_path = _NoOpObserver()
+    gather_path = NoOpObserver()  # attached: decodes take the gather + SDPA path
     greedy = SamplingParams(temperature=0, max_tokens=args.decodes, ignore_eos=True)
     for seed in args.seeds:
-        generator = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(100, 49152, (args.tokens,), generator=generator).tolist()
+        prompt = random_prompt(seed, args.tokens)
         for path in ("kernel", "gather"):
             if path == "gather":
                 engine.add_attention_observer(gather_path)
@@ -71,13 +58,7 @@ def main() -> None:
             tokens = prompt + out.token_ids[:-1]
             with torch.inference_mode():
                 want = reference(torch.tensor([tokens])).logits[0, args.tokens :].float()
-            diff = (got - want).abs()
-            agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            print(
-                f"seed {seed} {path:6s}: mean |diff| {diff.mean():.4f}  max {diff.max():.2f}  "
-                f"top-1 agreement {100 * agree:.1f}%  ({len(got)} decodes)",
-                flush=True,
-            )
+            report(seed, path, got, want, f"  ({len(got)} decodes)")
 
 
 if __name__ == "__main__":
