@@ -28,7 +28,17 @@ KEY = bytes(range(32))
 
 
 def layered(kind: str, tmp_path: Path, redis_url: str | None = None, **extra) -> TiersConfig:
-    common = {"chunk_tokens": CHUNK, "restore_pipeline": "layer", "host_bytes": 0, **extra}
+    # Generous Redis and restore timeouts: a loaded CI machine once took over the default
+    # 0.25 s for a loopback read, so a restore the test counts fell back to recompute (output
+    # still right, count off). The tests about lateness pass their own, tight ones.
+    common = {
+        "chunk_tokens": CHUNK,
+        "restore_pipeline": "layer",
+        "host_bytes": 0,
+        "redis_timeout_s": 5.0,
+        "restore_deadline_s": 30.0,
+        **extra,
+    }
     if kind == "disk":
         return TiersConfig(disk_bytes=64 * MIB, disk_dir=tmp_path / "d", **common)
     return TiersConfig(redis_url=redis_url, redis_prefix="kvt-layers", **common)

@@ -27,7 +27,10 @@ def tiers_for(kind: str, tmp_path: Path, redis_url: str | None = None) -> TiersC
     if kind == "mmap":  # the example tier of docs/design.md, in the disk slot
         disk = {"disk_bytes": 64 * MIB, "disk_dir": tmp_path / "m", "disk_backend": "mmap"}
         return TiersConfig(host_bytes=0, **disk, **common)
-    return TiersConfig(host_bytes=0, redis_url=redis_url, redis_prefix="kvt-test", **common)
+    # a generous read timeout: the tests count tokens restored, and a loaded CI machine once
+    # took over the 0.25 s default for a loopback read (the fallback is recompute)
+    remote = {"redis_url": redis_url, "redis_prefix": "kvt-test", "redis_timeout_s": 5.0}
+    return TiersConfig(host_bytes=0, **remote, **common)
 
 
 @pytest.mark.parametrize("kind", ["host", "disk", "remote", "mmap"])

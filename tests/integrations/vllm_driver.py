@@ -49,7 +49,11 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
     if mode == "host":
         tiers["host_bytes"] = "256MiB"
     elif mode == "redis":
-        tiers.update(host_bytes=0, remote_url=remote_url, remote_bytes="512MiB")
+        # a generous read timeout: the test counts tokens loaded, and a loaded CI machine once
+        # took over the 0.25 s default for a loopback read (the fallback is recompute)
+        tiers.update(
+            host_bytes=0, remote_url=remote_url, remote_bytes="512MiB", remote_timeout_s=5.0
+        )
     else:
         tiers.update(host_bytes=0, disk_dir=disk_dir, disk_bytes="1GiB")
     return {

@@ -104,6 +104,8 @@ def replicas(tmp_path: Path) -> Iterator[tuple[RedisServer, list[ServeProcess]]]
         redis.url,
         "--remote-bytes",
         "32MiB",
+        "--tiers-set",  # the test counts tokens read from Redis; a loaded machine can be slow
+        "remote_timeout_s=5",
         "--write-through",  # a finished turn is in Redis at once, not when it is evicted
         "--encrypt-key-file",
         str(tmp_path / "master.key"),  # one key for both: they read each other's values
