@@ -41,7 +41,8 @@ def reference(q, k, v, causal_m=None, q_offset=0):
     ],
 )
 def test_matches_float64_attention(kv_heads, rows, n, causal_m, q_offset):
-    q, k, v = rand(kv_heads, rows, 64, seed=1), rand(kv_heads, n, 64, seed=2), rand(kv_heads, n, 64, seed=3)
+    q = rand(kv_heads, rows, 64, seed=1)
+    k, v = rand(kv_heads, n, 64, seed=2), rand(kv_heads, n, 64, seed=3)
     out, lse = pa.prefill_attention(q, k, v, SCALE, causal_m, q_offset)
     want, want_lse = reference(q, k, v, causal_m, q_offset)
     err = (out.double() - want).abs()
@@ -63,6 +64,13 @@ def test_unmasked_row_is_the_same_in_any_call():
         assert torch.equal(part, out[:, lo:hi]) and torch.equal(part_lse, lse[:, lo:hi])
     one, one_lse = pa.prefill_attention(q, k, v, SCALE, threads=1)
     assert torch.equal(one, out) and torch.equal(one_lse, lse)
+    # keys read in place from a slice of a longer cache (heads apart) as from a copy
+    sliced, sliced_lse = pa.prefill_attention(q, k[:, :600], v[:, :600], SCALE)
+    copied, copied_lse = pa.prefill_attention(
+        q, k[:, :600].contiguous(), v[:, :600].contiguous(), SCALE
+    )
+    assert torch.equal(sliced, copied) and torch.equal(sliced_lse, copied_lse)
+    assert not torch.equal(sliced, out)
 
 
 def test_causal_row_is_the_same_in_any_call():

@@ -7,7 +7,9 @@ SDPA call over K/V gathered out of the pool, with a
 length mask. A prefill chunk on CPU (bf16 and float32) is, per 512-position stretch counted
 from position 0, two flash-attention calls merged by their log-sum-exp: its queries against
 the keys before the stretch (all visible: no mask at all) and against the stretch's keys (a
-square, so plain `is_causal` skips the future half); see `_prefill_split`. Elsewhere, or
+square, so plain `is_causal` skips the future half); see `_prefill_split` (bf16 with
+head_dim 64 on an AVX512_BF16 CPU: both calls by the kernel of engine/prefill_attention.py
+instead of torch's flash attention). Elsewhere, or
 when an observer must see the chunk's keys, the chunk is split along the query axis with
 additive causal masks, so that query rows never multiply against keys that lie in their
 future (a causal mask alone still pays for those products).
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvtier.engine import prefill_attention
 from kvtier.engine.hooks import AttentionObserver
 from kvtier.engine.kv_pool import KVPool, SlotPlan
 from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
@@ -218,6 +221,12 @@ class PagedAttention:
         tests hold it to (splitting at the chunk's start did not). Measured on this CPU, 1
         thread, the last 512-token chunk of an 8K prompt, one layer: 63 ms instead of 110 ms
         for masked 256-row sub-chunks, and no masks to build (12 MB each at 8K).
+
+        bf16 with head_dim 64 on a CPU with AVX512_BF16 takes the kernel of
+        engine/prefill_attention.py for both calls instead of `_flash` (which runs bf16 at
+        float32 speed): ~2x faster on them (benchmarks/prefill_attention.py), float32 partial
+        outputs, and each row's bits independent of the rows beside it, so it needs no zero
+        queries in front (the stretch's earlier keys still come from the pool).
         """
         n = q.shape[0]
         start = span.past_len  # position of the chunk's first row
@@ -231,29 +240,50 @@ class PagedAttention:
             table = span.block_table[:, : -(-from_pool // self.pool.block_size)]
             key, value = self.pool.gather(layer, table, meta.slot_index)
         out = torch.empty_like(q)
+        kernel = (
+            q.dtype == torch.bfloat16
+            and self.head_dim == prefill_attention.DIM
+            and q.device.type == "cpu"
+            and prefill_attention.available()
+        )
         for lo, hi in itertools.pairwise(edges):
             a = lo // SPLIT_ALIGN * SPLIT_ALIGN
             rows = slice(lo - start, hi - start)
+            m = hi - lo
             own_k, own_v = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kv_heads, m, D]
-            q_rows = q[rows].transpose(0, 1)  # [heads, m, D]: head h = kv * group + g
-            if lo > a:  # the stretch's earlier positions, and zero queries in front of them
+            if lo > a:  # the stretch's earlier positions
                 own_k = torch.cat([key[0, :, a:lo], own_k], dim=1)
                 own_v = torch.cat([value[0, :, a:lo], own_v], dim=1)
-                q_rows = torch.cat(
-                    [q_rows.new_zeros(self.num_heads, lo - a, self.head_dim), q_rows], 1
+            # Folded: [kv_heads, group * m, D] is the same memory as [heads, m, D].
+            folded = q[rows].transpose(0, 1).reshape(self.num_kv_heads, self.group * m, -1)
+            if kernel:
+                # bf16 dot products (engine/prefill_attention.py): the square's rows sit at
+                # positions lo - a .. of their stretch, no zero rows in front needed
+                own, lse = prefill_attention.prefill_attention(
+                    folded, own_k, own_v, self.scale, causal_m=m, q_offset=lo - a
                 )
-            own, lse = _flash(
-                q_rows.contiguous()[None],
-                own_k.repeat_interleave(self.group, 0)[None],
-                own_v.repeat_interleave(self.group, 0)[None],
-                is_causal=True,
-            )
-            own, lse = own[0, :, lo - a :], lse[0, :, lo - a :]  # [heads, m, D], [heads, m]
+            else:
+                q_rows = q[rows].transpose(0, 1)  # [heads, m, D]: head h = kv * group + g
+                if lo > a:  # zero queries in front of the stretch's earlier positions
+                    q_rows = torch.cat(
+                        [q_rows.new_zeros(self.num_heads, lo - a, self.head_dim), q_rows], 1
+                    )
+                own, lse = _flash(
+                    q_rows.contiguous()[None],
+                    own_k.repeat_interleave(self.group, 0)[None],
+                    own_v.repeat_interleave(self.group, 0)[None],
+                    is_causal=True,
+                )
+                own, lse = own[0, :, lo - a :], lse[0, :, lo - a :]  # [heads, m, D], [heads, m]
+            own = own.reshape(self.num_heads, m, self.head_dim)
+            lse = lse.reshape(self.num_heads, m)
             if a:
-                m = hi - lo
-                # Folded: [kv_heads, group * m, D] is the same memory as [heads, m, D].
-                folded = q[rows].transpose(0, 1).reshape(1, self.num_kv_heads, self.group * m, -1)
-                past_out, past_lse = _flash(folded, key[:, :, :a], value[:, :, :a])
+                if kernel:
+                    past_out, past_lse = prefill_attention.prefill_attention(
+                        folded, key[0, :, :a], value[0, :, :a], self.scale
+                    )
+                else:
+                    past_out, past_lse = _flash(folded[None], key[:, :, :a], value[:, :, :a])
                 past_out = past_out.reshape(own.shape)
                 past_lse = past_lse.reshape(lse.shape)
                 total = torch.logaddexp(lse, past_lse)

@@ -189,8 +189,11 @@ void tile(const uint16_t* qh, int64_t m, int64_t q_offset, int causal, int64_t n
 
 extern "C" {
 
-// See the top of the file. causal needs q_offset + m <= n. threads: OpenMP threads to use.
+// See the top of the file; K and V of head h start at k + h * k_stride, v + h * v_stride (their
+// rows contiguous: a slice of a longer gathered cache needs no copy). causal needs
+// q_offset + m <= n. threads: OpenMP threads to use.
 void kvtier_prefill_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                              int64_t k_stride, int64_t v_stride,
                               int64_t kv_heads, int64_t rows, int64_t m, int64_t n,
                               int64_t q_offset, int causal, float scale, float* out, float* lse,
                               int threads) {
@@ -201,7 +204,7 @@ void kvtier_prefill_attention(const uint16_t* q, const uint16_t* k, const uint16
     {
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < kv_heads; ++h)
-            pack(k + h * n * D, v + h * n * D, n, padded, kp.data() + h * padded * PAIRS,
+            pack(k + h * k_stride, v + h * v_stride, n, padded, kp.data() + h * padded * PAIRS,
                  vp.data() + h * padded * PAIRS);
         Rows st;
 #pragma omp for schedule(dynamic, 1)

@@ -38,7 +38,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.kvtier_prefill_attention.restype = None
         lib.kvtier_prefill_attention.argtypes = [
-            _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float,
+            _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int,
+            ctypes.c_float,
             _PTR, _PTR, ctypes.c_int,
         ]  # fmt: skip
     return lib
@@ -78,11 +79,14 @@ def prefill_attention(
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
     if causal_m is not None:
         assert rows % causal_m == 0 and q_offset + causal_m <= n
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # each head's rows contiguous; the heads may lie apart (a slice of a longer cache)
+    q = q.contiguous()
+    k = k if k.stride()[1:] == (DIM, 1) else k.contiguous()
+    v = v if v.stride()[1:] == (DIM, 1) else v.contiguous()
     out = torch.empty(kv_heads, rows, DIM)
     lse = torch.empty(kv_heads, rows)
     lib.kvtier_prefill_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), kv_heads, rows,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_heads, rows,
         causal_m or rows, n, q_offset, causal_m is not None, scale,
         out.data_ptr(), lse.data_ptr(), threads or torch.get_num_threads(),
     )  # fmt: skip
