@@ -30,8 +30,9 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torc
 
 @pytest.mark.parametrize("past", [0, 13, 24])
 def test_bf16_prefill_chunk_over_a_cached_past_matches_by_hand(past):
-    """bf16 takes the split path; its error stays that of bf16 inputs (the partial outputs
-    are rounded to bf16 before the merge). Past lengths on and off block boundaries."""
+    """bf16 takes the split path; its error stays that of bf16 inputs (with `_flash` the
+    partial outputs are rounded to bf16 before the merge; the prefill attention kernel keeps
+    them float32). Past lengths on and off block boundaries."""
     pool = KVPool(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16, "cpu", 1 << 20)
     # Slots nobody writes (the rest of the last block) hold large values: attending to one
     # would show.
