@@ -74,22 +74,54 @@ inline __m512i bcast(const uint16_t* p) {  // a pair of bf16 as one 32-bit word,
 
 // K of one head repacked for Q.K^T: groups of 16 keys, per group [32 dim pairs][16 keys] of
 // 32-bit words (two bf16 dims): one vector per dim pair holds that pair of 16 keys.
-// Keys past n are zero (and masked). V repacked for P.V: per pair of keys [64 dims] of
-// 32-bit words (the two keys' values of that dim).
-void pack(const uint16_t* k, const uint16_t* v, int64_t n, int64_t padded, uint32_t* kp,
+// V repacked for P.V: per pair of keys [64 dims] of 32-bit words (the two keys' values of
+// that dim). Keys past n are zero (and masked). One group of 16 keys (8 pairs) at a time.
+void pack(const uint16_t* k, const uint16_t* v, int64_t n, int64_t g, uint32_t* kp,
           uint32_t* vp) {
     const uint32_t* kw = reinterpret_cast<const uint32_t*>(k);
-    for (int64_t g = 0; g < padded / 16; ++g)
+    uint32_t* kg = kp + g * PAIRS * 16;
+    uint32_t* vg = vp + g * 8 * D;
+    if (g * 16 + 16 <= n) {  // whole groups: gathers and an interleave, no bounds tests
+        const __m512i rows = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(PAIRS));
+        const uint32_t* base = kw + g * 16 * PAIRS;
         for (int p = 0; p < PAIRS; ++p)
-            for (int t = 0; t < 16; ++t) {
-                const int64_t key = g * 16 + t;
-                kp[(g * PAIRS + p) * 16 + t] = key < n ? kw[key * PAIRS + p] : 0u;
+            _mm512_storeu_si512(kg + p * 16, _mm512_i32gather_epi32(rows, base + p, 4));
+        // output c, 16-bit element 2 j (2 j + 1): dim 16 c + j of the first (second) key, which
+        // is element (16 c + j) % 32 of that key's half c / 2 (index + 32: the second source)
+        __m512i idx[4];
+        for (int c = 0; c < 4; ++c) {
+            uint16_t e[32];
+            for (int j = 0; j < 16; ++j) {
+                e[2 * j] = static_cast<uint16_t>((16 * c + j) % 32);
+                e[2 * j + 1] = static_cast<uint16_t>(32 + (16 * c + j) % 32);
             }
-    for (int64_t pair = 0; pair < padded / 2; ++pair) {
-        const int64_t a = 2 * pair, b = a + 1;
+            std::memcpy(&idx[c], e, sizeof e);
+        }
+        for (int pair = 0; pair < 8; ++pair) {
+            const uint16_t* a = v + (g * 16 + 2 * pair) * D;
+            const uint16_t* b = a + D;
+            for (int c = 0; c < 4; ++c) {
+                // dims 16 c .. 16 c + 15 lie in the 32-dim half c / 2 of each row
+                const __m512i x = _mm512_loadu_si512(a + c / 2 * 32);
+                const __m512i y = _mm512_loadu_si512(b + c / 2 * 32);
+                _mm512_storeu_si512(vg + pair * D + 16 * c,
+                                    _mm512_permutex2var_epi16(x, idx[c], y));
+            }
+        }
+        return;
+    }
+    for (int p = 0; p < PAIRS; ++p)
+        for (int t = 0; t < 16; ++t) {
+            const int64_t key = g * 16 + t;
+            kg[p * 16 + t] = key < n ? kw[key * PAIRS + p] : 0u;
+        }
+    for (int pair = 0; pair < 8; ++pair) {
+        const int64_t a = g * 16 + 2 * pair, b = a + 1;
         for (int d = 0; d < D; ++d) {
-            const uint32_t lo = a < n ? v[a * D + d] : 0u, hi = b < n ? v[b * D + d] : 0u;
-            vp[pair * D + d] = lo | hi << 16;
+            const uint32_t x = a < n ? v[a * D + d] : 0u, y = b < n ? v[b * D + d] : 0u;
+            vg[pair * D + d] = x | y << 16;
         }
     }
 }
@@ -142,11 +174,12 @@ void block(const uint16_t* const* q, const int64_t* limit, int64_t key, const ui
             total = _mm512_add_ps(total, _mm512_castsi512_ps(
                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
         }
-        // exp(old - peak): exactly 1 where the block did not raise the max (exp_le0(0) = 1);
-        // 0 before the first block (old = -inf; l and o are 0 then anyway)
-        const float a = old == -INFINITY
-                            ? 0.0f
-                            : _mm512_cvtss_f32(exp_le0(_mm512_set1_ps(old - peak)));
+        // exp(old - peak): 1 where the block did not raise the max (what exp_le0(0) gives too,
+        // exactly: skipping it changes no bit); 0 before the first block (old = -inf; l and o
+        // are 0 then anyway)
+        const float a = old == peak          ? 1.0f
+                        : old == -INFINITY ? 0.0f
+                                           : _mm512_cvtss_f32(exp_le0(_mm512_set1_ps(old - peak)));
         alpha[t] = a;
         st.m[row + t] = peak;
         st.l[row + t] = st.l[row + t] * a + lanes_sum(total);
@@ -198,22 +231,31 @@ void kvtier_prefill_attention(const uint16_t* q, const uint16_t* k, const uint16
                               int64_t q_offset, int causal, float scale, float* out, float* lse,
                               int threads) {
     const int64_t padded = (n + KB - 1) / KB * KB;
-    std::vector<uint32_t> kp(kv_heads * padded * PAIRS), vp(kv_heads * padded * PAIRS);
+    // The repacked K and V, kept per calling thread between calls: a fresh allocation of
+    // several MB would be zeroed and page-faulted in on every call (~10% of an 8K call).
+    thread_local std::vector<uint32_t> scratch;
+    const int64_t size = kv_heads * padded * PAIRS;
+    if (static_cast<int64_t>(scratch.size()) < 2 * size) scratch.resize(2 * size);
+    uint32_t* const kp = scratch.data();
+    uint32_t* const vp = kp + size;
+    const int64_t groups = padded / 16;
     const int64_t blocks = (rows + QB - 1) / QB, items = kv_heads * blocks;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < kv_heads; ++h)
-            pack(k + h * k_stride, v + h * v_stride, n, padded, kp.data() + h * padded * PAIRS,
-                 vp.data() + h * padded * PAIRS);
+        for (int64_t it = 0; it < kv_heads * groups; ++it) {
+            const int64_t h = it / groups;
+            pack(k + h * k_stride, v + h * v_stride, n, it % groups, kp + h * padded * PAIRS,
+                 vp + h * padded * PAIRS);
+        }
         Rows st;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             const int64_t h = item / blocks, r0 = item % blocks * QB;
             const int count = static_cast<int>(std::min<int64_t>(QB, rows - r0));
             const uint16_t* qh = q + h * rows * D;
-            const uint32_t* kh = kp.data() + h * padded * PAIRS;
-            const uint32_t* vh = vp.data() + h * padded * PAIRS;
+            const uint32_t* kh = kp + h * padded * PAIRS;
+            const uint32_t* vh = vp + h * padded * PAIRS;
             int64_t last = 0;
             for (int i = 0; i < count; ++i) {
                 st.m[i] = -INFINITY;
