@@ -57,10 +57,9 @@ def test_matches_float64_attention(kv_heads, rows, n, causal_m, q_offset):
 
 def test_unmasked_row_is_the_same_in_any_call():
     q, k, v = rand(3, 200, 64, seed=4), rand(3, 1000, 64, seed=5), rand(3, 1000, 64, seed=6)
-    torch.set_num_threads(2)
-    out, lse = pa.prefill_attention(q, k, v, SCALE)
+    out, lse = pa.prefill_attention(q, k, v, SCALE, threads=2)
     for lo, hi in ((0, 1), (37, 74), (150, 200), (5, 198)):
-        part, part_lse = pa.prefill_attention(q[:, lo:hi], k, v, SCALE)
+        part, part_lse = pa.prefill_attention(q[:, lo:hi], k, v, SCALE, threads=2)
         assert torch.equal(part, out[:, lo:hi]) and torch.equal(part_lse, lse[:, lo:hi])
     one, one_lse = pa.prefill_attention(q, k, v, SCALE, threads=1)
     assert torch.equal(one, out) and torch.equal(one_lse, lse)
@@ -78,14 +77,13 @@ def test_causal_row_is_the_same_in_any_call():
     own (offset 63), and the square again against 1000 keys (the extra ones in every row's
     future): the same bits, on 1 or 2 threads."""
     q, k, v = rand(3, 3 * 100, 64, seed=7), rand(3, 1000, 64, seed=8), rand(3, 1000, 64, seed=9)
-    torch.set_num_threads(2)
-    out, lse = pa.prefill_attention(q, k[:, :100], v[:, :100], SCALE, causal_m=100)
+    out, lse = pa.prefill_attention(q, k[:, :100], v[:, :100], SCALE, causal_m=100, threads=2)
     per_head = out.view(3, 3, 100, 64)
     tail_q = q.view(3, 3, 100, 64)[:, :, 63:].reshape(3, 3 * 37, 64)
-    tail, tail_lse = pa.prefill_attention(tail_q, k[:, :100], v[:, :100], SCALE, 37, 63)
+    tail, tail_lse = pa.prefill_attention(tail_q, k[:, :100], v[:, :100], SCALE, 37, 63, 2)
     assert torch.equal(tail.view(3, 3, 37, 64), per_head[:, :, 63:])
     assert torch.equal(tail_lse.view(3, 3, 37), lse.view(3, 3, 100)[:, :, 63:])
-    longer, longer_lse = pa.prefill_attention(q, k, v, SCALE, causal_m=100)
+    longer, longer_lse = pa.prefill_attention(q, k, v, SCALE, causal_m=100, threads=2)
     assert torch.equal(longer, out) and torch.equal(longer_lse, lse)
     one, one_lse = pa.prefill_attention(q, k[:, :100], v[:, :100], SCALE, 100, threads=1)
     assert torch.equal(one, out) and torch.equal(one_lse, lse)

@@ -240,12 +240,7 @@ class PagedAttention:
             table = span.block_table[:, : -(-from_pool // self.pool.block_size)]
             key, value = self.pool.gather(layer, table, meta.slot_index)
         out = torch.empty_like(q)
-        kernel = (
-            q.dtype == torch.bfloat16
-            and self.head_dim == prefill_attention.DIM
-            and q.device.type == "cpu"
-            and prefill_attention.available()
-        )
+        kernel = prefill_attention.fits(q) and prefill_attention.available()
         for lo, hi in itertools.pairwise(edges):
             a = lo // SPLIT_ALIGN * SPLIT_ALIGN
             rows = slice(lo - start, hi - start)

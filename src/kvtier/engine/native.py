@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The CPU's feature flags (what -march=native builds for), or the machine name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -52,7 +52,7 @@ def load(source: Path) -> ctypes.CDLL | None:
             [compiler, "--version"], capture_output=True, text=True, check=True
         ).stdout
         key = hashlib.sha256(
-            "\0".join([source.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()
+            "\0".join([source.read_text(), " ".join(FLAGS), version, cpu_flags()]).encode()
         ).hexdigest()[:16]
         built = cache_dir() / "native" / f"{source.stem}-{key}.so"
         if not built.exists():

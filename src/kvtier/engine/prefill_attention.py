@@ -32,7 +32,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if "avx512_bf16" not in native._cpu_flags().split():
+    if "avx512_bf16" not in native.cpu_flags().split():
         return None
     lib = native.load(Path(__file__).with_name("prefill_attention.cpp"))
     if lib is not None:
