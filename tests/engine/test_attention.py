@@ -18,9 +18,9 @@ MIB = 1 << 20
 SCALE = DIM**-0.5
 
 
-def filled_pool(dtype: torch.dtype, blocks: int = 400) -> KVPool:
-    block_bytes = LAYERS * 2 * KV_HEADS * BS * DIM * dtype.itemsize
-    pool = KVPool(LAYERS, KV_HEADS, DIM, BS, dtype, "cpu", blocks * block_bytes)
+def filled_pool(dtype: torch.dtype, blocks: int = 400, kv_heads: int = KV_HEADS) -> KVPool:
+    block_bytes = LAYERS * 2 * kv_heads * BS * DIM * dtype.itemsize
+    pool = KVPool(LAYERS, kv_heads, DIM, BS, dtype, "cpu", blocks * block_bytes)
     g = torch.Generator().manual_seed(0)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=g) * 2)
     return pool
@@ -44,8 +44,9 @@ def by_hand(pool: KVPool, layer: int, q: torch.Tensor, table: torch.Tensor, n: i
     block out of `pool.kv`."""
     blocks = [pool.kv[int(b), layer].double() for b in table[: -(-n // BS)]]  # [2, H, bs, D]
     kv = torch.cat(blocks, dim=2)[:, :, :n]  # [2, kv_heads, n, D]
-    keys = kv[0].repeat_interleave(HEADS // KV_HEADS, 0)  # head h reads KV head h // group
-    values = kv[1].repeat_interleave(HEADS // KV_HEADS, 0)
+    group = q.shape[0] // kv.shape[1]
+    keys = kv[0].repeat_interleave(group, 0)  # head h reads KV head h // group
+    values = kv[1].repeat_interleave(group, 0)
     weights = ((keys @ q.double()[:, :, None])[..., 0] * SCALE).softmax(-1)
     return (weights[:, None, :] @ values)[:, 0]
 
@@ -61,6 +62,23 @@ def test_the_kernel_is_attention_over_the_pool(dtype, lengths):
             pool.kv, layer, q, tables, torch.tensor(lengths), SCALE, 2
         )
         assert got.dtype == torch.float32
+        for i, n in enumerate(lengths):
+            want = by_hand(pool, layer, q[i], tables[i], n)
+            torch.testing.assert_close(got[i].double(), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_more_query_heads_than_a_block_has_keys(dtype):
+    # Llama-3.2-1B's geometry (32 query / 8 KV heads, head dim 64) in 16-token blocks: the
+    # kernel's per-head scratch outgrows a block's worth of keys
+    heads, kv_heads, lengths = 32, 8, [700, 33]
+    pool = filled_pool(dtype, blocks=64, kv_heads=kv_heads)
+    tables = shuffled_tables(pool, lengths, seed=5)
+    q = torch.randn(len(lengths), heads, DIM).to(dtype)
+    for layer in range(LAYERS):
+        got = paged_decode.decode_attention(
+            pool.kv, layer, q, tables, torch.tensor(lengths), SCALE, 2
+        )
         for i, n in enumerate(lengths):
             want = by_hand(pool, layer, q[i], tables[i], n)
             torch.testing.assert_close(got[i].double(), want, rtol=2e-5, atol=2e-6)

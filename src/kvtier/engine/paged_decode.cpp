@@ -220,7 +220,9 @@ void piece(const T* kv, const Geometry& g, const float* q, const int64_t* table,
     const int64_t half = g.kv_heads * head_stride;  // K of all heads, then V
     const int64_t padded = (n + bs - 1) / bs * bs;
     const int64_t blocks = padded / bs;
-    work.assign(g.heads * padded + g.heads * D + bs * D, 0.0f);
+    // scores, q reordered, then one region holding first a block's widened keys of one head
+    // (bs rows), later acc (heads rows): as large as the larger of the two
+    work.assign(g.heads * padded + g.heads * D + std::max(bs, g.heads) * D, 0.0f);
     float* scores = work.data();  // [heads, padded]
     float* qs = scores + g.heads * padded;  // q in the kernel's order of dims
     float* sums = qs + g.heads * D;  // acc in that order
