@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -153,57 +154,37 @@ void weigh(const T* values, int64_t count, const float* w, int64_t stride, float
 }
 
 #ifdef __AVX512BF16__
-// The scores of a piece's keys from a bf16 pool with `vdpbf16ps`: each key row's 32 dim
-// pairs multiplied by the query's and summed into 16 float32 lanes (two instructions per
-// key and head instead of widening the row and four multiply-adds), the lanes then reduced
-// by `sums16` as on the float32 path. The query is rounded to bf16 first: exact for the
-// engine's queries (bf16 activations times 1/8, the 64-dim scale; another scale adds one
-// bf16 rounding of the query), and the products of two bf16 are exact in float32. Built only
-// where the compiler targets AVX512_BF16 (-march=native on such a CPU); a float32 pool, or
-// more than 64 query heads, keeps the widening path (returns false).
-template <typename Block>
-bool bf16_scores(const float*, const Geometry&, const float*, Block, int64_t, int64_t,
-                 float*) {
-    return false;
+// Scores of 16 keys of a bf16 pool (`rows`, one KV head's, D apart) for `group` query heads
+// with `vdpbf16ps`: each key row's 32 dim pairs multiplied by the query's and summed into 16
+// float32 lanes (two instructions per key and head, in place of widening the row and four
+// multiply-adds), the lanes then reduced by `sums16` as on the widening path. `qb`: the
+// heads' queries rounded to bf16, D apart, in natural order; exact for the engine's queries
+// (bf16 activations times 1/8, the 64-dim scale; another scale adds one bf16 rounding), and
+// a product of two bf16 is exact in float32, so only the order of the sums changes. Writes
+// `out[j * stride + t]` for head j and key t.
+inline void bf16_scores(const uint16_t* rows, const uint16_t* qb, int64_t group, float* out,
+                        int64_t stride) {
+    __m512bh k[16][2];
+    for (int t = 0; t < 16; ++t)
+        for (int c = 0; c < 2; ++c)
+            k[t][c] = (__m512bh)_mm512_loadu_si512(rows + t * D + 32 * c);
+    for (int64_t j = 0; j < group; ++j) {
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qb + j * D);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qb + j * D + 32);
+        v16 dots[16];
+        for (int t = 0; t < 16; ++t) {
+            const __m512 sum = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k[t][0]),
+                                                q1, k[t][1]);
+            std::memcpy(&dots[t], &sum, sizeof sum);
+        }
+        store(out + j * stride, sums16(dots));
+    }
 }
 
-template <typename Block>
-bool bf16_scores(const uint16_t*, const Geometry& g, const float* q, Block block,
-                 int64_t blocks, int64_t padded, float* scores) {
-    const int64_t group = g.heads / g.kv_heads;
-    const int64_t bs = g.block_size;
-    const int64_t head_stride = bs * D;
-    const int64_t half = g.kv_heads * head_stride;
-    __m512bh qh[64][2];  // per head (at most 64), the query's two halves of 32 bf16
-    if (g.heads > 64) return false;
-    for (int64_t h = 0; h < g.heads; ++h)
-        for (int c = 0; c < 2; ++c)
-            qh[h][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * D + 32 * c + 16),
-                                           _mm512_loadu_ps(q + h * D + 32 * c));
-    for (int64_t i = 0; i < blocks; ++i) {
-        if (i + AHEAD < blocks) prefetch(block(i + AHEAD), half * sizeof(uint16_t));
-        for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-            const uint16_t* rows = block(i) + kvh * head_stride;
-            for (int64_t t0 = 0; t0 < bs; t0 += 16) {
-                __m512bh k[16][2];
-                for (int t = 0; t < 16; ++t)
-                    for (int c = 0; c < 2; ++c)
-                        k[t][c] = (__m512bh)_mm512_loadu_si512(rows + (t0 + t) * D + 32 * c);
-                for (int64_t j = 0; j < group; ++j) {
-                    const int64_t h = kvh * group + j;
-                    v16 dots[16];
-                    for (int t = 0; t < 16; ++t) {
-                        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qh[h][0], k[t][0]);
-                        acc = _mm512_dpbf16_ps(acc, qh[h][1], k[t][1]);
-                        std::memcpy(&dots[t], &acc, sizeof acc);
-                    }
-                    store(scores + h * padded + i * bs + t0, sums16(dots));
-                }
-            }
-        }
-    }
-    return true;
-}
+// Whether a pool of this element type is scored by `bf16_scores`: bf16 pools (this file is
+// built with -march=native, so only on a CPU with AVX512_BF16); float32 pools widen.
+template <typename T>
+constexpr bool DOT_BF16 = std::is_same_v<T, uint16_t>;
 #endif
 
 // One item: keys [first, first + n) of one sequence, all heads. q [heads, D] float32, already
@@ -220,28 +201,42 @@ void piece(const T* kv, const Geometry& g, const float* q, const int64_t* table,
     const int64_t half = g.kv_heads * head_stride;  // K of all heads, then V
     const int64_t padded = (n + bs - 1) / bs * bs;
     const int64_t blocks = padded / bs;
-    // scores, q reordered, then one region holding first a block's widened keys of one head
-    // (bs rows), later acc (heads rows): as large as the larger of the two
-    work.assign(g.heads * padded + g.heads * D + std::max(bs, g.heads) * D, 0.0f);
+    // scores, q reordered, then one region that holds first a block's widened keys of one
+    // head (bs rows), later acc (heads rows), then the bf16 query (heads rows of D / 2)
+    const int64_t shared = std::max(bs, g.heads) * D;
+    work.assign(g.heads * padded + g.heads * D + shared + g.heads * D / 2, 0.0f);
     float* scores = work.data();  // [heads, padded]
     float* qs = scores + g.heads * padded;  // q in the kernel's order of dims
     float* sums = qs + g.heads * D;  // acc in that order
     float* keys = sums;  // first: a block's keys of one head, widened
     for (int64_t h = 0; h < g.heads; ++h)
         for (int d = 0; d < D; ++d) qs[h * D + position(kv, d)] = q[h * D + d];
+    [[maybe_unused]] uint16_t* qb = reinterpret_cast<uint16_t*>(sums + shared);
+#ifdef __AVX512BF16__
+    if constexpr (DOT_BF16<T>)
+        for (int64_t h = 0; h < g.heads; ++h)
+            for (int c = 0; c < 2; ++c)
+                _mm512_storeu_si512(qb + h * D + 32 * c,
+                                    (__m512i)_mm512_cvtne2ps_pbh(
+                                        _mm512_loadu_ps(q + h * D + 32 * c + 16),
+                                        _mm512_loadu_ps(q + h * D + 32 * c)));
+#endif
     auto block = [&](int64_t i) {  // this layer's K/V of the piece's i-th block
         return kv + (table[first / bs + i] * g.layers + g.layer) * 2 * half;
     };
     for (int64_t i = 0; i < AHEAD && i < blocks; ++i) prefetch(block(i), half * sizeof(T));
-#ifdef __AVX512BF16__
-    const bool scored = bf16_scores(kv, g, q, block, blocks, padded, scores);
-#else
-    const bool scored = false;
-#endif
-    for (int64_t i = 0; !scored && i < blocks; ++i) {
+    for (int64_t i = 0; i < blocks; ++i) {
         if (i + AHEAD < blocks) prefetch(block(i + AHEAD), half * sizeof(T));
         for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
             const T* rows = block(i) + kvh * head_stride;
+#ifdef __AVX512BF16__
+            if constexpr (DOT_BF16<T>) {
+                for (int64_t t0 = 0; t0 < bs; t0 += 16)
+                    bf16_scores(rows + t0 * D, qb + kvh * group * D, group,
+                                scores + kvh * group * padded + i * bs + t0, padded);
+                continue;
+            }
+#endif
             for (int64_t t = 0; t < bs; ++t) {
                 v16 row[CH];
                 widen(rows + t * D, row);
