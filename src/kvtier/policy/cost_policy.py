@@ -64,6 +64,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -84,6 +85,8 @@ from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import ViewDiff
 
 GIB = 2**30  # transfer size the spill seconds per byte are taken at
+_FORM = attrgetter("form")
+_SESSION_ID = attrgetter("session_id")
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
@@ -620,34 +623,46 @@ def _actions(
         for s, i in zip(row_session[drop_rows].tolist(), index[drop_rows].tolist(), strict=True)
     ]
     move_rows = np.flatnonzero(moving & (placed >= 0))
+    # out of the slowest tiers first; stable, so ties keep session/chunk order
+    move_rows = move_rows[np.argsort(-table.rank[move_rows], kind="stable")]
     starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
     move_sessions = row_session[move_rows]
-    for at, s, i, to, rank in zip(
-        (move_rows - starts[move_sessions]).tolist(),  # each row's place in its session
-        move_sessions.tolist(),
-        index[move_rows].tolist(),
-        placed[move_rows].tolist(),
-        table.rank[move_rows].tolist(),
-        strict=True,
-    ):
-        session = sessions[s]
-        chunk, tier = session.stored_chunks()[at], table.tiers[to]
-        form = chunk.form if forms is None else forms.choose(chunk, tier)
-        moves.append((-int(rank), Move(session.session_id, i, tier, form)))
-    moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
-    changed = (np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0).tolist()
+    chunks = list(
+        map(
+            lambda s, at: sessions[s].stored_chunks()[at],
+            move_sessions.tolist(),
+            (move_rows - starts[move_sessions]).tolist(),  # each row's place in its session
+        )
+    )
+    targets = list(map(table.tiers.__getitem__, placed[move_rows].tolist()))
+    chosen = list(map(_FORM, chunks)) if forms is None else forms.choose_many(chunks, targets)
+    ours = list(
+        map(
+            Move,
+            map(_SESSION_ID, map(sessions.__getitem__, move_sessions.tolist())),
+            index[move_rows].tolist(),
+            targets,
+            chosen,
+        )
+    )
+    if moves:  # the evicted sessions' moves, ordered in by their source tiers
+        moves += zip((-table.rank[move_rows]).astype(int).tolist(), ours, strict=True)
+        moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
+        ours = [move for _, move in moves]
+    changed = np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0
     stay = ~moving & np.repeat(changed, np.diff(starts))
     # the staying chunks of all sessions with a change, in row order, cut per session below
     stay_index = index[stay].tolist()
     stay_ends = np.cumsum(np.bincount(row_session[stay], minlength=len(sessions))).tolist()
     left: list[Action] = []
-    for s, keep in enumerate(keeps):
-        if not changed[s]:
-            left.append(keep)
-            continue
+    done = 0  # sessions before this one are in `left`
+    for s in np.flatnonzero(changed).tolist():
+        left += keeps[done:s]  # unchanged sessions: their whole-session Keep
         staying = stay_index[stay_ends[s - 1] if s else 0 : stay_ends[s]]
         memo = chunk_keeps[s]
         for i in set(staying).difference(memo):
             memo[i] = Keep(sessions[s].session_id, i)
         left += map(memo.__getitem__, staying)
-    return drops + [move for _, move in moves] + left
+        done = s + 1
+    left += keeps[done:]
+    return drops + ours + left

@@ -20,6 +20,7 @@ most, and its link outruns any CPU decoder (docs/policy.md "Forms").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.policy.cost_model import CostModel
@@ -46,6 +47,12 @@ class FormChooser:
             candidates,
             key=lambda form: (self.restore_s(full, form, tier), -FORM_PRECISION[form]),
         )
+
+    def choose_many(self, chunks: Sequence[ChunkView], tiers: Sequence[str]) -> list[str]:
+        """`choose` of each chunk and its tier (a decision moves hundreds of chunks)."""
+        if self.allowed == (FULL,):
+            return [chunk.form for chunk in chunks]
+        return list(map(self.choose, chunks, tiers))
 
     def restore_s(self, full: int, form: str, tier: str) -> float:
         """Loading a chunk of `full` full-precision bytes stored in `form` from `tier`, then

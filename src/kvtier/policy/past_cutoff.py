@@ -38,7 +38,7 @@ class PastChunks:
     """The chunks of sessions idle past the cut-off, one row each, in eviction order: oldest
     idle session first (ties in session-id order), its chunks in index order."""
 
-    sessions: tuple[SessionView, ...]
+    sessions: Sequence[SessionView]
     row_session: np.ndarray  # which of `sessions` each row is a chunk of
     position: np.ndarray  # the chunk's place among its session's stored chunks
     columns: np.ndarray  # `session_table.COLUMNS`: index, tokens, token_start, bytes, rank

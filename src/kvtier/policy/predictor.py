@@ -305,21 +305,19 @@ class ReusePredictor:
         for key in which:
             histogram = self._keys.get(key)
             weights.append(math.inf if histogram is None else histogram.session_weight)
-        rows = list(map(which.__getitem__, keys))
-        own_at: list[int] = []
-        own_ids: list[str] = []
-        own_counts: list[int] = []
+        at = np.fromiter(map(which.__getitem__, keys), np.int64, len(keys))
+        own_at = np.zeros(0, dtype=np.int64)
         gaps = self._sessions
         if any(weight != math.inf for weight in weights):
+            # which sessions blend their own gaps in: C-level maps over all of them, Python
+            # only for those that do
             ids = list(map(_SESSION_ID, sessions))
-            for s, (own, k) in enumerate(zip(map(gaps.get, ids), rows, strict=True)):
-                if own and weights[k] != math.inf:
-                    own_at.append(s)
-                    own_ids.append(ids[s])
-                    own_counts.append(len(own))
+            has_gaps = np.fromiter(map(bool, map(gaps.get, ids)), bool, len(ids))
+            own_at = np.flatnonzero(has_gaps & (np.array(weights) != math.inf)[at])
         table = np.stack(cdfs)
-        at = np.array(rows, dtype=np.int64)
-        if own_at:
+        if len(own_at):
+            own_ids = list(map(ids.__getitem__, own_at.tolist()))
+            own_counts = [len(gaps[session_id]) for session_id in own_ids]
             key_rows = at[own_at]
             weight = np.array(weights)[key_rows][:, None]
             mine = np.array(list(map(self._mine, own_ids)))  # C-level, unlike np.stack

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -73,22 +74,21 @@ class Candidates:
     """The sessions one decision may act on (idle, not protected, holding KV), in session-id
     order, which is also the tie-break order, and where their chunks are in the pool."""
 
-    sessions: tuple[SessionView, ...]
+    sessions: Sequence[SessionView]
     slots: np.ndarray  # each session's slot
     idle_s: np.ndarray  # each session's idle time at the decision
     weight: np.ndarray  # 2 ** priority
     rows: np.ndarray  # pool rows of their chunks, in (session id, chunk index) order
     row_session: np.ndarray  # which of `sessions` each row belongs to
-    keeps: tuple[Keep, ...]  # each session's whole-session Keep
-    chunk_keeps: tuple[dict[int, Keep], ...]  # each session's per-chunk Keeps made so far
-
-    @property
-    def ids(self) -> list[str]:
-        return list(map(_SESSION_ID, self.sessions))
+    keeps: Sequence[Keep]  # each session's whole-session Keep
+    chunk_keeps: Sequence[dict[int, Keep]]  # each session's per-chunk Keeps made so far
+    ids: Sequence[str]  # each session's id
 
 
-def _pick(items: list, at: np.ndarray) -> tuple:
-    return tuple(map(items.__getitem__, at.tolist()))
+def _pick(items: np.ndarray, at: np.ndarray) -> list:
+    """items[at] of a per-slot object array, as a list: one C-level gather (a decision picks
+    hundreds to thousands of sessions, three times)."""
+    return items.take(at).tolist()
 
 
 class SessionTable:
@@ -103,10 +103,11 @@ class SessionTable:
         self.max_age_s = max_age_s
         self._past = np.zeros(0, dtype=np.int64)  # their slots, in session-id order
         self._slot: dict[str, int] = {}
-        self._ids: list[str] = []  # per slot
-        self._views: list[SessionView | None] = []
-        self._keeps: list[Keep | None] = []
-        self._chunk_keeps: list[dict[int, Keep] | None] = []
+        # per slot, as object arrays (see `_pick`): id, view, whole-session Keep, chunk Keeps
+        self._ids = np.empty(0, dtype=object)
+        self._views = np.empty(0, dtype=object)
+        self._keeps = np.empty(0, dtype=object)
+        self._chunk_keeps = np.empty(0, dtype=object)
         self._free: list[int] = []
         self._sorted: list[str] = []  # the session ids of the slots, sorted
         self._order: np.ndarray | None = None  # slots in session-id order; None: to build
@@ -153,8 +154,10 @@ class SessionTable:
         for name in ("_q", "_d", "_prices"):
             if name in self.__dict__:
                 setattr(self, name, grown(get(name), 0.0, float))
-        for items in (self._ids, self._views, self._keeps, self._chunk_keeps):
-            items.extend([None] * (size - len(items)))  # type: ignore[list-item]
+        for name in ("_ids", "_views", "_keeps", "_chunk_keeps"):
+            items = np.empty(size, dtype=object)  # None-filled
+            items[:old] = getattr(self, name)[:old]
+            setattr(self, name, items)
 
     def _add(self, session: SessionView) -> None:
         if not self._free:
@@ -297,6 +300,7 @@ class SessionTable:
             row_session=np.repeat(np.arange(len(order)), count),
             keeps=_pick(self._keeps, order),
             chunk_keeps=_pick(self._chunk_keeps, order),
+            ids=_pick(self._ids, order),
         )
 
     def past_cutoff(self) -> PastCutoff:
