@@ -64,7 +64,7 @@ def _decision_inputs(kv, policy, rng, now, occupied):
     columns = policy._state.columns(found)
     chunks = _chunk_table(found.sessions, found.row_session, columns, found.weight)
     q, d = policy._schedules(found.sessions, found.idle_s)
-    movable = policy._movable(v, chunks)
+    movable = policy._movable(v, chunks.held(v.tier_names))
     prices = policy._prices(v.tier_names, policy._fixed_occupancy(v, movable))
     return chunks, q, d, prices, v.tier_names
 

@@ -63,7 +63,6 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -172,7 +171,8 @@ class CostPolicy(RetentionPolicy):
             candidates.sessions, candidates.row_session, columns, candidates.weight
         )
         past = self._state.past_cutoff()
-        movable = self._movable(view, chunks, past.held(view.tier_names))
+        held = self._state.held(candidates, view.tier_names)
+        movable = self._movable(view, held, past.held(view.tier_names))
         table = self._priced_table(view, candidates, chunks, now, movable)
         placed, room = self._allocate(view, table, movable, now)
         # what the priced chunks leave is for the sessions past the cut-off, newest idle first
@@ -182,12 +182,12 @@ class CostPolicy(RetentionPolicy):
         )
 
     def _movable(
-        self, view: PolicyView, chunks: _Table, past: Mapping[str, int] | None = None
+        self, view: PolicyView, held: Mapping[str, int], past: Mapping[str, int] | None = None
     ) -> dict[str, int]:
-        """Bytes per tier the candidates' chunks may be placed in: capacity minus everything
-        else in the tier (negative when over budget even without them) but the chunks of
-        sessions past the cut-off (`past`, bytes per tier), which make way for them."""
-        held = chunks.held(view.tier_names)
+        """Bytes per tier the candidates' chunks (`held`, bytes per tier) may be placed in:
+        capacity minus everything else in the tier (negative when over budget even without
+        them) but the chunks of sessions past the cut-off (`past`, bytes per tier), which make
+        way for them."""
         extra = past or {}
         return {
             t.name: t.capacity_bytes - t.used_bytes + held[t.name] + extra.get(t.name, 0)
@@ -207,7 +207,8 @@ class CostPolicy(RetentionPolicy):
         """Net value per chunk index and tier: the numbers the policy decides on, priced from
         scratch (nothing kept from a decision is used)."""
         candidates = sorted(view.candidates(now), key=lambda s: s.session_id)
-        occupancy = self._fixed_occupancy(view, self._movable(view, _fresh_chunks(candidates)))
+        held = _fresh_chunks(candidates).held(view.tier_names)
+        occupancy = self._fixed_occupancy(view, self._movable(view, held))
         chunks = _fresh_chunks([session])
         if not len(chunks.size):
             return {}
@@ -253,11 +254,12 @@ class CostPolicy(RetentionPolicy):
         prices = self._prices(tiers, self._fixed_occupancy(view, movable))
         state = self._state
         stale = state.stale(candidates, q, d, prices)
-        fresh = chunks if stale.all() else _subset(chunks, stale)
+        # the stale sessions' chunks, read in place (None: all of them)
+        priced = None if stale.all() else np.flatnonzero(stale[chunks.row_session])
         # the induction writes the stale sessions' values into the table, which hands back
         # every candidate's (a reused session's as it was priced)
         rows, pool_values, pool_gain = state.store(candidates, stale, q, d, prices)
-        self._induction(fresh, q[stale], d[stale], prices, tiers, rows, pool_values, pool_gain)
+        self._induction(chunks, q, d, prices, tiers, rows, pool_values, pool_gain, priced)
         values, gain = state.values(candidates)
         # the next interval is priced at the exact idle age every decision: the device auction
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
@@ -281,14 +283,19 @@ class CostPolicy(RetentionPolicy):
         at: np.ndarray,
         values: np.ndarray,
         gain: np.ndarray,
+        priced: np.ndarray | None = None,
     ) -> None:
         """Write rows `at` of `values` and `gain` ([rows, tiers]): the values and what a
-        return saves of each chunk of `chunks` (whose `values` still hold tokens and start),
-        its sessions' schedules `q`, `d`, by the backward induction of the module docstring,
-        in the compiled kernel of `induction` (one session's chunks at a time, its schedule
-        read in place)."""
+        return saves of each chunk of `chunks` (whose `values` still hold tokens and start;
+        only the chunks `priced`, when given: `at` has a row for each of those), its
+        sessions' schedules `q`, `d`, by the backward induction of the module docstring, in
+        the compiled kernel of `induction` (one session's chunks at a time, its schedule read
+        in place)."""
         row_session, size, rank = chunks.row_session, chunks.size, chunks.rank
         tokens, start = chunks.values[:, 0], chunks.values[:, 1]
+        if priced is not None:
+            row_session, size, rank = row_session[priced], size[priced], rank[priced]
+            tokens, start = tokens[priced], start[priced]
         weight = chunks.weight[row_session]
         # tiers x chunks: what a return saves (the cost model's formulas are plain
         # arithmetic, so they take whole columns at once)
@@ -528,22 +535,6 @@ def _chunk_table(
         columns[:, 1:3],  # tokens, start: replaced by values when priced
         (),
         weight,
-    )
-
-
-def _subset(chunks: _Table, keep: np.ndarray) -> _Table:
-    """The chunks of the sessions `keep` selects, as a table of those sessions."""
-    rows = keep[chunks.row_session]
-    position = np.cumsum(keep) - 1  # each kept session's place among them
-    return _Table(
-        list(compress(chunks.sessions, keep.tolist())),
-        position[chunks.row_session[rows]],
-        chunks.index[rows],
-        chunks.rank[rows],
-        chunks.size[rows],
-        chunks.values[rows],
-        chunks.tiers,
-        chunks.weight[keep],
     )
 
 

@@ -322,6 +322,11 @@ class SessionTable:
             columns=self._cols[rows],
         )
 
+    def held(self, candidates: Candidates, tiers: Sequence[str]) -> dict[str, int]:
+        """Bytes the candidates' chunks hold per tier (whole byte counts: exact in any order)."""
+        by_rank = self._held[candidates.slots].sum(axis=0)
+        return {tier: int(by_rank[TIER_RANK[tier]]) for tier in tiers}
+
     def columns(self, candidates: Candidates) -> np.ndarray:
         """The candidates' chunk columns, one row per chunk (see `COLUMNS`)."""
         return self._cols.take(candidates.rows, 0)
