@@ -246,7 +246,7 @@ class CostPolicy(RetentionPolicy):
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
             return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
-        cdf = self.predictor.cdf_table(chunks.sessions)
+        cdf = self.predictor.cdf_table(chunks.sessions, candidates.keys, candidates.ids)
         q, d = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
         q_now = self._next_interval(*cdf, candidates.idle_s)
         if self.calibration is not None:

@@ -288,17 +288,25 @@ class ReusePredictor:
         table, rows = self.cdf_table(sessions)
         return table[rows]
 
-    def cdf_table(self, sessions: Sequence[SessionView]) -> tuple[np.ndarray, np.ndarray]:
+    def cdf_table(
+        self,
+        sessions: Sequence[SessionView],
+        keys: Sequence[Key] | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(distributions, which one each session has): the distinct cumulative gap masses
         at the bin edges, one row per key the sessions have and one per session blended with
         its own gaps (`personal`), and each session's row. Sessions sharing a row share every
-        prediction made from it, so a caller can compute those once."""
+        prediction made from it, so a caller can compute those once. `keys` and `ids`, when
+        given, are the sessions' `reuse_key`s and ids (a caller that keeps them saves reading
+        them from every view)."""
         # the keys' rows gathered at once, then the sessions with their own gaps blended in
         # at once: per session only C-level lookups (a decision asks for thousands of rows),
         # and a Python step only for the sessions of keys that use their own gaps
         if not sessions:
             return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
-        keys = list(map(_REUSE_KEY, sessions))
+        if keys is None:
+            keys = list(map(_REUSE_KEY, sessions))
         which = {key: k for k, key in enumerate(dict.fromkeys(keys))}  # key -> row in `cdfs`
         cdfs = [self._distribution(key)[0] for key in which]
         weights: list[float] = []
@@ -311,7 +319,8 @@ class ReusePredictor:
         if any(weight != math.inf for weight in weights):
             # which sessions blend their own gaps in: C-level maps over all of them, Python
             # only for those that do
-            ids = list(map(_SESSION_ID, sessions))
+            if ids is None:
+                ids = list(map(_SESSION_ID, sessions))
             has_gaps = np.fromiter(map(bool, map(gaps.get, ids)), bool, len(ids))
             own_at = np.flatnonzero(has_gaps & (np.array(weights) != math.inf)[at])
         table = np.stack(cdfs)

@@ -83,6 +83,7 @@ class Candidates:
     keeps: Sequence[Keep]  # each session's whole-session Keep
     chunk_keeps: Sequence[dict[int, Keep]]  # each session's per-chunk Keeps made so far
     ids: Sequence[str]  # each session's id
+    keys: Sequence[tuple[str, str]]  # each session's `reuse_key`
 
 
 def _pick(items: np.ndarray, at: np.ndarray) -> list:
@@ -108,6 +109,7 @@ class SessionTable:
         self._views = np.empty(0, dtype=object)
         self._keeps = np.empty(0, dtype=object)
         self._chunk_keeps = np.empty(0, dtype=object)
+        self._keys = np.empty(0, dtype=object)  # each view's `reuse_key`
         self._free: list[int] = []
         self._sorted: list[str] = []  # the session ids of the slots, sorted
         self._order: np.ndarray | None = None  # slots in session-id order; None: to build
@@ -154,7 +156,7 @@ class SessionTable:
         for name in ("_q", "_d", "_prices"):
             if name in self.__dict__:
                 setattr(self, name, grown(get(name), 0.0, float))
-        for name in ("_ids", "_views", "_keeps", "_chunk_keeps"):
+        for name in ("_ids", "_views", "_keeps", "_chunk_keeps", "_keys"):
             items = np.empty(size, dtype=object)  # None-filled
             items[:old] = getattr(self, name)[:old]
             setattr(self, name, items)
@@ -191,6 +193,7 @@ class SessionTable:
 
     def _set(self, slot: int, session: SessionView) -> None:
         self._views[slot] = session
+        self._keys[slot] = session.reuse_key
         self._pinned[slot] = session.pinned
         self._idle[slot] = session.idle
         self._idle_since[slot] = np.nan if session.idle_since is None else session.idle_since
@@ -301,6 +304,7 @@ class SessionTable:
             keeps=_pick(self._keeps, order),
             chunk_keeps=_pick(self._chunk_keeps, order),
             ids=_pick(self._ids, order),
+            keys=_pick(self._keys, order),
         )
 
     def past_cutoff(self) -> PastCutoff:
