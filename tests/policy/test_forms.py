@@ -131,6 +131,23 @@ def test_on_a_slow_link_with_a_fast_codec_the_smallest_form_restores_fastest():
     assert FormChooser(model(1e9)).choose(chunk(), "remote") == "full"
 
 
+def test_choosing_many_forms_at_once_is_choosing_each():
+    chunks = [chunk(), chunk(form="int8"), chunk(), chunk(form="int4")]
+    tiers = ["remote", "remote", "host", "host"]
+    for allowed in (ALL, ("full", "int8"), ("full",)):
+        chooser = FormChooser(model(1e9), allowed)
+        want = [chooser.choose(c, t) for c, t in zip(chunks, tiers, strict=True)]
+        assert chooser.choose_many(chunks, tiers) == want
+    # with a lossy form allowed, what is chosen depends on the tier (only disk and remote take
+    # one) and on the chunk's own form (never more precise than it is)
+    assert FormChooser(model(1e9), ALL).choose_many(chunks, tiers) == [
+        "int4",
+        "int4",
+        "full",
+        "int4",
+    ]
+
+
 def test_where_decoding_is_slower_than_the_link_full_precision_restores_fastest():
     # this machine's CPU decodes at 0.66-1.05 GB/s of output: slower than a 5 GB/s disk
     chooser = FormChooser(model(1e9, MEASURED_CPU_CODECS), ALL)
