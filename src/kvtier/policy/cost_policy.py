@@ -105,8 +105,11 @@ class _Table:
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
     weight: np.ndarray  # 2 ** priority of each of `sessions`
-    # what one decision interval is worth per tier: P(return within it) * saving, [chunks, tiers]
-    next_interval: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    # each of `sessions`' chance of returning within the next interval, at its exact idle age
+    chance: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # what a return saves per tier: rows `pool_rows` (one per chunk) of `saves_pool`
+    saves_pool: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    pool_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # each of `sessions`' idle time at the decision (its exact return schedule is priced from
     # it where the device's keepers are ranked)
     idle: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -114,6 +117,13 @@ class _Table:
     distributions: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
     )
+
+    def next_interval(self, rows: np.ndarray, columns: np.ndarray | int) -> np.ndarray:
+        """What the next decision interval is worth to chunks `rows` held in tier `columns`
+        (one per row, or one for all): P(return within it) * what a return saves. Only the
+        device auction's bidders ask, so it is priced for them alone."""
+        saves = self.saves_pool[self.pool_rows[rows], columns]
+        return self.chance[self.row_session[rows]] * saves
 
     def held(self, tiers: Sequence[str]) -> dict[str, int]:
         """Bytes these chunks hold per tier."""
@@ -245,7 +255,7 @@ class CostPolicy(RetentionPolicy):
         tiers = view.tier_names
         if not len(chunks.size):
             empty = np.zeros((0, len(tiers)))
-            return dataclasses.replace(chunks, values=empty, tiers=tiers, next_interval=empty)
+            return dataclasses.replace(chunks, values=empty, tiers=tiers, saves_pool=empty)
         cdf = self.predictor.cdf_table(chunks.sessions, candidates.keys, candidates.ids)
         q, d = self._schedule_rows(*cdf, candidates.idle_s)  # [sessions, K]
         q_now = self._next_interval(*cdf, candidates.idle_s)
@@ -260,15 +270,15 @@ class CostPolicy(RetentionPolicy):
         # every candidate's (a reused session's as it was priced)
         rows, pool_values, pool_gain = state.store(candidates, stale, q, d, prices)
         self._induction(chunks, q, d, prices, tiers, rows, pool_values, pool_gain, priced)
-        values, gain = state.values(candidates)
         # the next interval is priced at the exact idle age every decision: the device auction
         # ranks by it, and it is what moves fastest (the long view of `values` moves in steps)
-        soon = q_now[chunks.row_session, None] * gain
         return dataclasses.replace(
             chunks,
-            values=values,
+            values=state.values(candidates),
             tiers=tiers,
-            next_interval=soon,
+            chance=q_now,
+            saves_pool=pool_gain,
+            pool_rows=candidates.rows,
             idle=candidates.idle_s,
             distributions=cdf,
         )
@@ -485,7 +495,7 @@ class CostPolicy(RetentionPolicy):
                 # is the next interval's saving over the tier it would go to (a drop cannot
                 # be taken back, so against a drop the whole value is at stake)
                 lower = best_from[j + 1][rows]
-                step = table.next_interval[rows, j] - table.next_interval[rows, lower]
+                step = table.next_interval(rows, j) - table.next_interval(rows, lower)
                 loss = np.where(below > 0, step / np.maximum(size[rows], 1), loss)
             rank = np.argsort(-loss, kind="stable")  # highest loss first, then key order
             order, bids = rows[rank], loss[rank]

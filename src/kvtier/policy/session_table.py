@@ -381,10 +381,11 @@ class SessionTable:
         rows = candidates.rows[stale[candidates.row_session]]
         return rows, self._values, self._gain
 
-    def values(self, candidates: Candidates) -> tuple[np.ndarray, np.ndarray]:
-        """(values, what a return saves) of the candidates' chunks, [chunks, tiers]."""
+    def values(self, candidates: Candidates) -> np.ndarray:
+        """The values of the candidates' chunks, [chunks, tiers] (what a return saves is in
+        the pool `store` hands out, at `candidates.rows`)."""
         # `take` copies whole rows: several times faster than fancy indexing here
-        return self._values.take(candidates.rows, 0), self._gain.take(candidates.rows, 0)
+        return self._values.take(candidates.rows, 0)
 
     def priced(self, session_id: str) -> np.ndarray | None:
         """The values a session's chunks were last priced at, [chunks, tiers] in chunk order;
