@@ -76,7 +76,7 @@ from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
 from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
-from kvtier.policy.predictor import ReusePredictor
+from kvtier.policy.predictor import Located, ReusePredictor
 from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
 from kvtier.policy.tracker import TurnTracker
@@ -154,6 +154,7 @@ class CostPolicy(RetentionPolicy):
         self._state = SessionTable(self.reprice_tolerance, self.predictor.max_age_s)
         self._changes = ViewDiff()
         self._running = RunningGaps()
+        self._edge_grid_memo: tuple | None = None  # `_edge_grids`, with what it was found for
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -355,16 +356,21 @@ class CostPolicy(RetentionPolicy):
         end = self.predictor.max_age_s
         h = self.horizon_s
         if step:
-            floor = self.predictor.age_floor(idle)
-            ages, age_of = np.unique(floor, return_inverse=True)
+            edge = self.predictor.age_edge(idle)  # the age bin's edge each schedule starts at
+            edges, age_of = np.unique(edge, return_inverse=True)
             _, first, which = np.unique(
-                rows * len(ages) + age_of, return_index=True, return_inverse=True
+                rows * len(edges) + age_of, return_index=True, return_inverse=True
             )
             # one grid of times per age bin, shared by every distribution starting there
-            age_starts, age_d = self._grid(ages)
+            grid_starts, grid_d, (found_start, found_end) = self._edge_grids()
+            age_starts, age_d = grid_starts[edges], grid_d[edges]
+            located = (
+                (found_start[0][edges], found_start[1][edges], found_start[2][edges]),
+                (found_end[0][edges], found_end[1][edges], found_end[2][edges]),
+            )
             at = age_of[first]
-            start, d = ages[at], age_d[at]
-            q = self.predictor.p_reuse_grid(table, rows[first], at, age_starts, age_d)
+            start, d = self.predictor.edges[edges][at], age_d[at]
+            q = self.predictor.p_reuse_grid(table, rows[first], at, age_starts, age_d, located)
         else:
             start, which = idle, slice(None)
             starts, d = self._grid(start)
@@ -373,6 +379,17 @@ class CostPolicy(RetentionPolicy):
         past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
         return q[which], d[which]
+
+    def _edge_grids(self) -> tuple[np.ndarray, np.ndarray, tuple[Located, Located]]:
+        """`_grid` from every bin edge of the predictor (the ages stepped schedules start at)
+        and where its times fall in the bins (`ReusePredictor.locate_grid`): the same at every
+        decision, so found once (row e of each is edge e's)."""
+        key = (self.predictor.edges, self.horizon_s, self.predictor.max_age_s)
+        memo = self._edge_grid_memo
+        if memo is None or memo[0][0] is not key[0] or memo[0][1:] != key[1:]:
+            starts, d = self._grid(self.predictor.edges)
+            memo = self._edge_grid_memo = (key, (starts, d, self.predictor.locate_grid(starts, d)))
+        return memo[1]
 
     def _grid(self, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each interval's start, its length) per row, on the doubling grid from `start` to

@@ -65,6 +65,8 @@ from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
 Key = tuple[str, str]  # (tenant, app_class)
+# where times fall in the bins: each one's bin, its share of the way through it, past the end
+Located = tuple[np.ndarray, np.ndarray, np.ndarray]
 _REUSE_KEY = attrgetter("reuse_key")
 _SESSION_ID = attrgetter("session_id")
 # pseudo-gaps the key's distribution is worth against a session's own gaps; inf: the key alone
@@ -336,6 +338,13 @@ class ReusePredictor:
             table = np.concatenate([table, blended])
         return table, at
 
+    def locate_grid(self, idle_s: np.ndarray, horizon_s: np.ndarray) -> tuple[Located, Located]:
+        """Where the starts `idle_s` and ends (`idle_s + horizon_s`, at most the cut-off) of
+        intervals fall in the bins: `p_reuse_grid`'s first step, which a caller asking about
+        the same times again can keep."""
+        idle, horizon = np.asarray(idle_s, float), np.asarray(horizon_s, float)
+        return self._locate(idle), self._locate(np.minimum(idle + horizon, self.max_age_s))
+
     def p_reuse_grid(
         self,
         table: np.ndarray,
@@ -343,14 +352,15 @@ class ReusePredictor:
         at: np.ndarray,
         idle_s: np.ndarray,
         horizon_s: np.ndarray,
+        located: tuple[Located, Located] | None = None,
     ) -> np.ndarray:
         """`p_reuse_cdf` of row `at[s]` of `idle_s` and `horizon_s` under distribution
         `table[rows[s]]`, per s: sessions whose schedules start on one age bin's edge share a
         row of times, so where those times fall in the bins (a logarithm each) is found once
-        per row of times, not once per session (the same operations on the same numbers)."""
+        per row of times, not once per session (the same operations on the same numbers).
+        `located`: `locate_grid` of these times, where the caller has it."""
         idle, horizon = np.asarray(idle_s, float), np.asarray(horizon_s, float)
-        first = self._locate(idle)
-        last = self._locate(np.minimum(idle + horizon, self.max_age_s))
+        first, last = self.locate_grid(idle, horizon) if located is None else located
         top = table[rows, -1][:, None]
         row = rows[:, None]
 
@@ -475,9 +485,13 @@ class ReusePredictor:
         to the cut-off). Within a bin the histogram knows no more than its log-uniform spread,
         so a schedule conditioned on the bin's lower edge moves in steps the model resolves:
         a policy can reuse what it priced until a session's age crosses an edge."""
+        return self.edges[self.age_edge(idle_s)]
+
+    def age_edge(self, idle_s: np.ndarray) -> np.ndarray:
+        """The index in `edges` of each idle age's `age_floor`."""
         edges = self.edges
         at = np.searchsorted(edges, np.asarray(idle_s, float), side="right") - 1
-        return edges[np.clip(at, 0, len(edges) - 1)]
+        return np.clip(at, 0, len(edges) - 1)
 
     def p_no_return(self, session: SessionView | Key) -> float:
         key = session.reuse_key if isinstance(session, SessionView) else session
