@@ -76,7 +76,7 @@ from kvtier.policy.demand import DemandForecast
 from kvtier.policy.forms import FormChooser
 from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
-from kvtier.policy.predictor import Located, ReusePredictor
+from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.running_gaps import RunningGaps
 from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
 from kvtier.policy.tracker import TurnTracker
@@ -154,7 +154,11 @@ class CostPolicy(RetentionPolicy):
         self._state = SessionTable(self.reprice_tolerance, self.predictor.max_age_s)
         self._changes = ViewDiff()
         self._running = RunningGaps()
-        self._edge_grid_memo: tuple | None = None  # `_edge_grids`, with what it was found for
+        # the doubling grid from every bin edge of the predictor (the ages stepped schedules
+        # start at) and where its times fall in the bins: the same at every decision, so found
+        # once (row e is edge e's), like the table and tracker above from the same predictor
+        starts, d = self._grid(self.predictor.edges)
+        self._edge_grids = (starts, d, self.predictor.locate_grid(starts, d))
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -362,15 +366,14 @@ class CostPolicy(RetentionPolicy):
                 rows * len(edges) + age_of, return_index=True, return_inverse=True
             )
             # one grid of times per age bin, shared by every distribution starting there
-            grid_starts, grid_d, (found_start, found_end) = self._edge_grids()
+            grid_starts, grid_d, found = self._edge_grids
             age_starts, age_d = grid_starts[edges], grid_d[edges]
-            located = (
-                (found_start[0][edges], found_start[1][edges], found_start[2][edges]),
-                (found_end[0][edges], found_end[1][edges], found_end[2][edges]),
-            )
+            start_at, end_at = (tuple(part[edges] for part in times) for times in found)
             at = age_of[first]
             start, d = self.predictor.edges[edges][at], age_d[at]
-            q = self.predictor.p_reuse_grid(table, rows[first], at, age_starts, age_d, located)
+            q = self.predictor.p_reuse_grid(
+                table, rows[first], at, age_starts, age_d, (start_at, end_at)
+            )
         else:
             start, which = idle, slice(None)
             starts, d = self._grid(start)
@@ -379,17 +382,6 @@ class CostPolicy(RetentionPolicy):
         past = start >= end  # nothing left of the grid: one empty interval, as before
         d[past, 0] = h
         return q[which], d[which]
-
-    def _edge_grids(self) -> tuple[np.ndarray, np.ndarray, tuple[Located, Located]]:
-        """`_grid` from every bin edge of the predictor (the ages stepped schedules start at)
-        and where its times fall in the bins (`ReusePredictor.locate_grid`): the same at every
-        decision, so found once (row e of each is edge e's)."""
-        key = (self.predictor.edges, self.horizon_s, self.predictor.max_age_s)
-        memo = self._edge_grid_memo
-        if memo is None or memo[0][0] is not key[0] or memo[0][1:] != key[1:]:
-            starts, d = self._grid(self.predictor.edges)
-            memo = self._edge_grid_memo = (key, (starts, d, self.predictor.locate_grid(starts, d)))
-        return memo[1]
 
     def _grid(self, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each interval's start, its length) per row, on the doubling grid from `start` to

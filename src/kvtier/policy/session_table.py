@@ -41,7 +41,6 @@ Q_FLOOR = 1e-4
 
 _FIELDS = attrgetter("index", "token_end", "token_start", "size_bytes")
 _TIER = attrgetter("tier")
-_SESSION_ID = attrgetter("session_id")
 
 
 def chunk_columns(session: SessionView) -> np.ndarray:
