@@ -3,10 +3,12 @@ and leave, and that the values it keeps are the ones pricing afresh gives."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 
 import numpy as np
+import pytest
 
 from kvtier.policy.actions import Keep
 from kvtier.policy.cost_policy import CostPolicy
@@ -147,9 +149,13 @@ def _apply(kv, v, actions):
     return dataclasses.replace(after, sessions=kept)
 
 
-def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
+@pytest.mark.parametrize("unit", [1, 4])
+def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv, unit):
+    """Also with pricing units of up to four chunks: the table's rows are then units, and
+    every action still names single chunks."""
     rng = random.Random(7)
-    policy = CostPolicy(kv.slow_model(), reprice_tolerance=0.0)  # exact reuse only
+    # exact reuse only
+    policy = CostPolicy(kv.slow_model(), reprice_tolerance=0.0, pricing_chunks=unit)
     sessions = [kv.session(f"s{i:02d}", 256 * rng.randint(1, 40)) for i in range(12)]
     capacity = {"device": 40 * GB, "host": 20 * GB, "disk": 1000 * GB}
     v = kv.view(sessions, capacity)
@@ -167,6 +173,12 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
                 past.add(s.session_id)
         acted = {a.session_id for a in actions}
         assert acted - past == {s.session_id for s in wanted}
+        # each chunk of a priced session is named once (or the whole session kept)
+        named = collections.Counter((a.session_id, a.chunk_idx) for a in actions)
+        for s in wanted:
+            if (s.session_id, None) not in named:
+                chunks_named = sorted(i for sid, i in named.elements() if sid == s.session_id)
+                assert chunks_named == sorted(c.index for c in s.stored_chunks())
         assert all(not isinstance(a, Keep) for a in actions if a.session_id in past)
         # what they hold per tier is known at once; their chunks, oldest idle first, on demand
         cutoff = policy._state.past_cutoff()
@@ -179,7 +191,9 @@ def test_kept_values_equal_a_fresh_pricing_over_random_decisions(kv):
         }
         chunks = cutoff.read()
         assert list(chunks.sessions) == list(oldest)
-        assert chunks.columns.tolist() == [r for s in oldest for r in chunk_columns(s).tolist()]
+        assert chunks.columns.tolist() == [
+            r for s in oldest for r in chunk_columns(s, unit).tolist()
+        ]
         for s in wanted:
             kept = policy._state.priced(s.session_id)
             fresh = policy.value(v, s, now)
@@ -248,3 +262,22 @@ def test_a_tolerance_reuses_values_until_what_they_were_priced_at_moves_past_it(
     _store(table, found, q, d, prices, values)
     assert table.stale(found, q * 1.03, d, prices).tolist() == [False]
     assert table.stale(found, q * 1.03 * 1.03, d, prices).tolist() == [True]
+
+
+def test_pricing_units_are_runs_of_adjacent_chunks_in_one_tier_cut_at_the_unit(kv):
+    s = kv.session("a", 256 * 10)
+    tiers = ["device"] * 5 + ["host"] * 3 + ["disk"] * 2
+    placed = zip(s.chunks, tiers, strict=True)
+    s = dataclasses.replace(s, chunks=tuple(dataclasses.replace(c, tier=t) for c, t in placed))
+    single = chunk_columns(s)
+    units = chunk_columns(s, 2)
+    # index, tokens, token_start, bytes, tier rank, chunks in the unit
+    spans = [(0, 2), (2, 2), (4, 1), (5, 2), (7, 1), (8, 2)]
+    assert units[:, 5].tolist() == [n for _, n in spans]
+    for row, (first, n) in zip(units, spans, strict=True):
+        part = single[first : first + n]
+        assert row[0] == part[0, 0] and row[2] == part[0, 2] and row[4] == part[0, 4]
+        assert row[1] == part[:, 1].sum() and row[3] == part[:, 3].sum()
+    assert (chunk_columns(s, 1) == single).all() and single[:, 5].tolist() == [1] * 10
+    # a unit as large as the session still stops where the tier changes
+    assert chunk_columns(s, 64)[:, 5].tolist() == [5, 3, 2]

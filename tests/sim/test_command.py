@@ -95,3 +95,23 @@ def test_winners_name_the_best_policy_and_its_margin():
 def test_bad_input_is_one_clear_error(tmp_path, argv, message):
     with pytest.raises(KvtierError, match=message.replace("[", r"\[").replace("]", r"\]")):
         simulate("--workload", "quick", "--out", str(tmp_path), "--no-plots", *argv)
+
+
+def test_cost_prices_in_units_when_the_command_line_asks(tmp_path):
+    """`--policy-set cost.pricing_chunks=4`: the simulated cost policy prices runs of up to
+    four adjacent chunks as one unit; every request is still served, with the KV it held."""
+    summaries = {}
+    for unit in (1, 4):
+        out = tmp_path / f"unit{unit}"
+        args = ("--workload", "quick", "--workload-set", "sessions=12", "--policies", "cost")
+        args += ("--policy-set", f"cost.pricing_chunks={unit}", "--out", str(out), *SMALL)
+        assert simulate(*args) == 0
+        document = json.loads((out / "results.json").read_text())
+        assert document["config"]["policy_set"] == [f"cost.pricing_chunks={unit}"]
+        summaries[unit] = document["runs"][0]["summary"]
+    for summary in summaries.values():
+        assert summary["failed"] == 0 and summary["completed"] == summaries[1]["completed"]
+        assert summary["policy_decisions"]
+    with pytest.raises(KvtierError, match="pricing_chunks"):
+        simulate("--workload", "quick", "--policies", "cost", "--policy-set",
+                 "cost.pricing_chunks=0", "--out", str(tmp_path / "bad"), *SMALL)  # fmt: skip

@@ -73,6 +73,9 @@ class CostSection(_Section):
     floor_dollars_per_gb_hour: NonNegativeFloat = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR
     # arrivals count towards the forecast rate of device demand (policy.demand) this long
     forecast_window_s: PositiveFloat = 60.0
+    # adjacent chunks of a session in one tier priced and placed as one unit, up to this many
+    # (1: chunk by chunk); fewer rows per decision, coarser placements
+    pricing_chunks: Annotated[int, Field(ge=1, le=1024)] = 1
 
 
 class PredictorSection(_Section):

@@ -78,7 +78,13 @@ from kvtier.policy.kernels import induction, upgrade
 from kvtier.policy.metrics import Calibration
 from kvtier.policy.predictor import ReusePredictor
 from kvtier.policy.running_gaps import RunningGaps
-from kvtier.policy.session_table import COLUMNS, Candidates, SessionTable, chunk_columns
+from kvtier.policy.session_table import (
+    COLUMNS,
+    Candidates,
+    SessionTable,
+    chunk_columns,
+    chunk_positions,
+)
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import ViewDiff
@@ -99,12 +105,14 @@ class _Table:
 
     sessions: Sequence[SessionView]
     row_session: np.ndarray  # which of `sessions` each row is a chunk of
-    index: np.ndarray  # the chunk's index in its session
+    index: np.ndarray  # the chunk's index in its session (a unit's: its first chunk's)
     rank: np.ndarray  # TIER_RANK of where the chunk is now
     size: np.ndarray  # bytes
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
     weight: np.ndarray  # 2 ** priority of each of `sessions`
+    # chunks in each row (a pricing unit's run of adjacent chunks; 1 each by default)
+    span: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # each of `sessions`' chance of returning within the next interval, at its exact idle age
     chance: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # what a return saves per tier: rows `pool_rows` (one per chunk) of `saves_pool`
@@ -145,13 +153,18 @@ class CostPolicy(RetentionPolicy):
     # a session's values are reused until a return probability or tier price they were
     # priced at moves by more than this share (`SessionTable.stale`); 0: exact reuse only
     reprice_tolerance: float = 0.05
+    # adjacent chunks of a session in one tier priced and placed as one unit, up to this many
+    # (`session_table.chunk_columns_many`): fewer rows to price, coarser placements
+    pricing_chunks: int = 1
     name = "cost"
 
     def __post_init__(self) -> None:
         if not self.horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, not {self.horizon_s}")
         self._tracker = TurnTracker(self.predictor.max_age_s)
-        self._state = SessionTable(self.reprice_tolerance, self.predictor.max_age_s)
+        self._state = SessionTable(
+            self.reprice_tolerance, self.predictor.max_age_s, self.pricing_chunks
+        )
         self._changes = ViewDiff()
         self._running = RunningGaps()
         # the doubling grid from every bin edge of the predictor (the ages stepped schedules
@@ -168,6 +181,7 @@ class CostPolicy(RetentionPolicy):
             horizon_s=config.horizon_s,
             demand=DemandForecast(window_s=config.cost.forecast_window_s),
             forms=FormChooser(model, config.form_budget().allowed),
+            pricing_chunks=config.cost.pricing_chunks,
         )
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
@@ -224,7 +238,7 @@ class CostPolicy(RetentionPolicy):
         candidates = sorted(view.candidates(now), key=lambda s: s.session_id)
         held = _fresh_chunks(candidates).held(view.tier_names)
         occupancy = self._fixed_occupancy(view, self._movable(view, held))
-        chunks = _fresh_chunks([session])
+        chunks = _fresh_chunks([session], self.pricing_chunks)
         if not len(chunks.size):
             return {}
         tiers = view.tier_names
@@ -554,16 +568,25 @@ def _chunk_table(
         columns[:, 1:3],  # tokens, start: replaced by values when priced
         (),
         weight,
+        span=columns[:, 5].astype(np.int64),
     )
 
 
-def _fresh_chunks(sessions: Sequence[SessionView]) -> _Table:
+def _fresh_chunks(sessions: Sequence[SessionView], unit: int = 1) -> _Table:
     """`_chunk_table` of sessions read from their views, without the persistent table."""
-    parts = [chunk_columns(session) for session in sessions]
+    parts = [chunk_columns(session, unit) for session in sessions]
     counts = [len(part) for part in parts]
     columns = np.concatenate(parts) if parts else np.zeros((0, COLUMNS))
     weight = np.array([2.0**session.priority for session in sessions], dtype=float)
     return _chunk_table(sessions, np.repeat(np.arange(len(sessions)), counts), columns, weight)
+
+
+def _chunks_of(rows: np.ndarray, span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each chunk's row, its place in the row's unit) for the chunks of units `rows`, in
+    row order."""
+    count = span[rows]
+    firsts = np.cumsum(count) - count
+    return np.repeat(rows, count), np.arange(int(count.sum())) - np.repeat(firsts, count)
 
 
 def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:
@@ -626,22 +649,38 @@ def _actions(
     if not moving.any():
         moves.sort(key=lambda item: item[0])
         return drops + [move for _, move in moves] + list(keeps)
-    row_session, index = table.row_session, table.index
+    row_session, index, span = table.row_session, table.index, table.span
+    starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
+    # a row is a unit of `span` chunks with consecutive indices: its actions are its chunks'
+    units = bool(len(span)) and bool((span > 1).any())
     drop_rows = np.flatnonzero(placed < 0)
+    if units:
+        drop_rows, drop_offset = _chunks_of(drop_rows, span)
+    else:
+        drop_offset = 0
     drops += [
         Drop(sessions[s].session_id, i)
-        for s, i in zip(row_session[drop_rows].tolist(), index[drop_rows].tolist(), strict=True)
+        for s, i in zip(
+            row_session[drop_rows].tolist(), (index[drop_rows] + drop_offset).tolist(), strict=True
+        )
     ]
     move_rows = np.flatnonzero(moving & (placed >= 0))
     # out of the slowest tiers first; stable, so ties keep session/chunk order
     move_rows = move_rows[np.argsort(-table.rank[move_rows], kind="stable")]
-    starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
+    # each moving chunk's place among its session's stored chunks
+    if units:
+        position = chunk_positions(span, np.diff(starts))  # each row's first chunk's
+        move_rows, move_offset = _chunks_of(move_rows, span)
+        at_in_session = position[move_rows] + move_offset
+    else:
+        move_offset = 0
+        at_in_session = move_rows - starts[row_session[move_rows]]
     move_sessions = row_session[move_rows]
     chunks = list(
         map(
             lambda s, at: sessions[s].stored_chunks()[at],
             move_sessions.tolist(),
-            (move_rows - starts[move_sessions]).tolist(),  # each row's place in its session
+            at_in_session.tolist(),
         )
     )
     targets = list(map(table.tiers.__getitem__, placed[move_rows].tolist()))
@@ -650,7 +689,7 @@ def _actions(
         map(
             Move,
             map(_SESSION_ID, map(sessions.__getitem__, move_sessions.tolist())),
-            index[move_rows].tolist(),
+            (index[move_rows] + move_offset).tolist(),
             targets,
             chosen,
         )
@@ -660,9 +699,13 @@ def _actions(
         moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
         ours = [move for _, move in moves]
     changed = np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0
-    stay = ~moving & np.repeat(changed, np.diff(starts))
+    stay = np.flatnonzero(~moving & np.repeat(changed, np.diff(starts)))
     # the staying chunks of all sessions with a change, in row order, cut per session below
-    stay_index = index[stay].tolist()
+    if units:
+        stay, stay_offset = _chunks_of(stay, span)
+        stay_index = (index[stay] + stay_offset).tolist()
+    else:
+        stay_index = index[stay].tolist()
     stay_ends = np.cumsum(np.bincount(row_session[stay], minlength=len(sessions))).tolist()
     left: list[Action] = []
     done = 0  # sessions before this one are in `left`

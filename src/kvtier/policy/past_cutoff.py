@@ -39,9 +39,9 @@ class PastChunks:
     idle session first (ties in session-id order), its chunks in index order."""
 
     sessions: Sequence[SessionView]
-    row_session: np.ndarray  # which of `sessions` each row is a chunk of
-    position: np.ndarray  # the chunk's place among its session's stored chunks
-    columns: np.ndarray  # `session_table.COLUMNS`: index, tokens, token_start, bytes, rank
+    row_session: np.ndarray  # which of `sessions` each row is a chunk (or unit) of
+    position: np.ndarray  # the (unit's first) chunk's place among its session's stored chunks
+    columns: np.ndarray  # `session_table.COLUMNS`: index, tokens, token_start, bytes, rank, span
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,17 @@ def evict(
     target[carried] = -1
     drops: list[Action] = []
     moves: list[tuple[int, Action]] = []
+    span = chunks.columns[:, 5].astype(int).tolist()
     for r in np.flatnonzero(target != current).tolist():
         session = chunks.sessions[chunks.row_session[r]]
-        chunk = session.stored_chunks()[chunks.position[r]]
+        first = chunks.position[r]
         to = int(target[r])
-        if to < 0:
-            drops.append(Drop(session.session_id, chunk.index))
-            continue
-        form = chunk.form if forms is None else forms.choose(chunk, tiers[to])
-        moves.append(
-            (-TIER_RANK[chunk.tier], Move(session.session_id, chunk.index, tiers[to], form))
-        )
+        for chunk in session.stored_chunks()[first : first + span[r]]:  # a unit's chunks
+            if to < 0:
+                drops.append(Drop(session.session_id, chunk.index))
+                continue
+            form = chunk.form if forms is None else forms.choose(chunk, tiers[to])
+            moves.append(
+                (-TIER_RANK[chunk.tier], Move(session.session_id, chunk.index, tiers[to], form))
+            )
     return drops, moves

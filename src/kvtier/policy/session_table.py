@@ -33,7 +33,7 @@ from kvtier.policy.past_cutoff import PastChunks, PastCutoff
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
 
-COLUMNS = 5  # index, tokens, token_start, bytes, tier rank
+COLUMNS = 6  # index, tokens, token_start, bytes, tier rank, chunks (a unit's span)
 # with a tolerance, return probabilities this close (absolute) also count as unchanged: a
 # relative tolerance alone would re-price a session whose 1e-6 chance became 2e-6
 Q_FLOOR = 1e-4
@@ -43,13 +43,17 @@ _FIELDS = attrgetter("index", "token_end", "token_start", "size_bytes")
 _TIER = attrgetter("tier")
 
 
-def chunk_columns(session: SessionView) -> np.ndarray:
-    """index, tokens, token_start, bytes and tier rank of each stored chunk, one row each."""
-    return chunk_columns_many([session])[0]
+def chunk_columns(session: SessionView, unit: int = 1) -> np.ndarray:
+    """One row per pricing unit of the session's stored chunks (`chunk_columns_many`)."""
+    return chunk_columns_many([session], unit)[0]
 
 
-def chunk_columns_many(sessions: list[SessionView]) -> tuple[np.ndarray, np.ndarray]:
-    """(`chunk_columns` of the sessions one after another, how many rows each)."""
+def chunk_columns_many(sessions: list[SessionView], unit: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(the sessions' pricing units one after another, one row each: its first chunk's index,
+    its tokens, its first token, its bytes, its tier's rank and how many chunks it has; how
+    many rows each session has). A unit is a run of at most `unit` chunks of one session with
+    consecutive indices in one tier, priced and placed as one: with `unit` 1, one row per
+    chunk."""
     stored = list(map(SessionView.stored_chunks, sessions))
     counts = np.fromiter(map(len, stored), np.int64, len(stored))
     chunks = list(chain.from_iterable(stored))
@@ -58,7 +62,41 @@ def chunk_columns_many(sessions: list[SessionView]) -> tuple[np.ndarray, np.ndar
     out[:, :4] = raw.reshape(-1, 4)  # index, token_end, token_start, bytes
     out[:, 1] -= out[:, 2]  # tokens; exact: token counts are far below 2**53
     out[:, 4] = np.fromiter(map(TIER_RANK.__getitem__, map(_TIER, chunks)), float, len(chunks))
-    return out, counts
+    out[:, 5] = 1.0
+    if unit == 1 or len(chunks) < 2:
+        return out, counts
+    return _units(out, counts, unit)
+
+
+def _units(out: np.ndarray, counts: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """`chunk_columns_many`'s rows of single chunks merged into units of at most `unit`."""
+    n = len(out)
+    session = np.repeat(np.arange(len(counts)), counts)
+    # a run of mergeable chunks starts at a new session, a gap in the indices or a new tier
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = (
+        (session[1:] != session[:-1])
+        | (out[1:, 0] != out[:-1, 0] + 1)
+        | (out[1:, 4] != out[:-1, 4])
+    )
+    run_first = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    first = starts | ((np.arange(n) - run_first) % unit == 0)  # each run cut every `unit`
+    at = np.flatnonzero(first)
+    merged = out[at].copy()
+    # whole token and byte counts: exact sums
+    merged[:, 1] = np.add.reduceat(out[:, 1], at)
+    merged[:, 3] = np.add.reduceat(out[:, 3], at)
+    merged[:, 5] = np.diff(np.append(at, n))
+    return merged, np.bincount(session[at], minlength=len(counts))
+
+
+def chunk_positions(span: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Each row's first chunk's place among its session's stored chunks, for rows of `span`
+    chunks each, `count[i]` rows per session i in turn."""
+    ends = np.cumsum(span.astype(np.int64))
+    before = ends - span.astype(np.int64)
+    session_first = np.cumsum(count) - count  # each session's first row
+    return before - np.repeat(before[session_first[count > 0]], count[count > 0])
 
 
 def ranges(first: np.ndarray, count: np.ndarray) -> np.ndarray:
@@ -95,10 +133,13 @@ class SessionTable:
     """See the module docstring. `sync` each decision; `stale` / `store` / `values` for the
     pricing of its candidates."""
 
-    def __init__(self, tolerance: float = 0.0, max_age_s: float = math.inf) -> None:
+    def __init__(self, tolerance: float = 0.0, max_age_s: float = math.inf, unit: int = 1) -> None:
         if not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), not {tolerance}")
+        if unit < 1:
+            raise ValueError(f"a pricing unit is at least one chunk, not {unit}")
         self.tolerance = tolerance
+        self.unit = unit  # chunks per row at most (`chunk_columns_many`)
         # sessions idle this long are not candidates: `past_cutoff` hands them out instead
         self.max_age_s = max_age_s
         self._past = np.zeros(0, dtype=np.int64)  # their slots, in session-id order
@@ -211,7 +252,10 @@ class SessionTable:
     def _load(self, slots: list[int]) -> None:
         """Put the columns of the slots' views in the pool: one read over all their chunks and
         array passes, not a round of numpy calls per session (a decision loads tens)."""
-        columns, counts = chunk_columns_many([self._views[s] for s in slots])  # type: ignore[misc]
+        columns, counts = chunk_columns_many(
+            [self._views[s] for s in slots],
+            self.unit,  # type: ignore[misc]
+        )
         at = np.array(slots, dtype=np.int64)
         grows = counts > self._cap[at]  # more chunks than its rows: fresh rows at the end
         needed = int(counts[grows].sum())
@@ -318,11 +362,12 @@ class SessionTable:
         slots = past[np.argsort(self._idle_since[past], kind="stable")]
         count, first = self._count[slots], self._first[slots]
         rows = ranges(first, count)
+        columns = self._cols[rows]
         return PastChunks(
             sessions=_pick(self._views, slots),
             row_session=np.repeat(np.arange(len(slots)), count),
-            position=rows - np.repeat(first, count),
-            columns=self._cols[rows],
+            position=chunk_positions(columns[:, 5], count),
+            columns=columns,
         )
 
     def held(self, candidates: Candidates, tiers: Sequence[str]) -> dict[str, int]:
