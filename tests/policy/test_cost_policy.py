@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -326,3 +327,32 @@ def test_sessions_still_idle_count_against_an_early_return(kv):
     policy.decide(v, 200.0)
     assert finished_only > 0.2
     assert policy.predictor.p_reuse(key, 50.0, 150.0) < 0.05
+
+
+def test_pricing_some_chunks_in_place_gives_what_pricing_them_all_gives(kv):
+    # a decision re-prices only the stale sessions' chunks, reading them where they are in
+    # the table (`priced`): each must get exactly the value a pricing of every chunk gives it
+    from kvtier.policy.cost_policy import _fresh_chunks
+
+    policy = CostPolicy(kv.slow_model())
+    sessions = [
+        kv.session("a", 2048, idle_since=0.0),
+        kv.session("b", 1024, tier="host", idle_since=-40.0),
+        kv.session("c", 3072, idle_since=-300.0),
+    ]
+    v = kv.view(sessions, CAPACITY, other_used={"device": 50 * GB})
+    chunks = _fresh_chunks(sessions)
+    q, d = policy._schedules(sessions, np.array([s.idle_s(10.0) for s in sessions]))
+    tiers = v.tier_names
+    prices = policy._prices(tiers, {t: 0.5 for t in tiers})
+    n = len(chunks.size)
+    values, gain = np.empty((n, len(tiers))), np.empty((n, len(tiers)))
+    policy._induction(chunks, q, d, prices, tiers, np.arange(n), values, gain)
+    assert n == 24 and np.isfinite(values[:, -1]).all() and (gain[:, 0] != gain[:, -1]).any()
+    priced = np.array([1, 5, 9, n - 1])  # chunks of all three sessions (8, 4 and 12 chunks)
+    part_values = np.full((len(priced), len(tiers)), np.nan)
+    part_gain = np.full((len(priced), len(tiers)), np.nan)
+    at = np.arange(len(priced))
+    policy._induction(chunks, q, d, prices, tiers, at, part_values, part_gain, priced)
+    assert part_values.tolist() == values[priced].tolist()
+    assert part_gain.tolist() == gain[priced].tolist()
