@@ -108,8 +108,8 @@ def test_kv_idle_past_the_cut_off_age_is_the_first_victim_under_pressure(kv):
     # a device full of two idle sessions, asked for 400 MB: the session idle past the cut-off
     # gives it, leading chunks first, and they are dropped (the waiting request would wait
     # for their copies; the predictor gives them no chance to save anything); the session
-    # that may still return keeps the device
-    policy = CostPolicy(kv.slow_model())
+    # that may still return keeps the device (chunk by chunk: the test counts chunks)
+    policy = CostPolicy(kv.slow_model(), pricing_chunks=1)
     old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
     size = old.chunks[0].size_bytes
     v = kv.view([old, young], _full_device(kv, old, young), bytes_needed=400 * 10**6)
@@ -149,7 +149,7 @@ def test_kv_idle_past_the_cut_off_age_makes_way_in_a_full_lower_tier_oldest_firs
     spill = sum(c.size_bytes for c in young.chunks)
     other = capacity["device"] - spill
     v = kv.view([older, old, young], capacity, other_used={"device": other}, bytes_needed=spill)
-    actions = CostPolicy(kv.slow_model()).decide(v, 3800.0)
+    actions = CostPolicy(kv.slow_model(), pricing_chunks=1).decide(v, 3800.0)  # counts chunks
     where = kv.placement(v, actions)
     assert not kv.dropped(actions)
     assert all(where["young", c.index] == "host" for c in young.chunks)
@@ -235,7 +235,7 @@ def test_pinned_and_ttl_held_sessions_are_not_touched(kv):
 
 
 def test_priority_raises_the_value_of_a_session(kv):
-    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.02))
+    policy = CostPolicy(kv.slow_model(), FixedPredictor(0.02), pricing_chunks=1)
     v = kv.view([kv.session("a", 512)], CAPACITY)
     low = policy.value(v, v.sessions[0], 5.0)
     high = policy.value(v, dataclasses.replace(v.sessions[0], priority=2), 5.0)

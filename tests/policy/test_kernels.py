@@ -75,7 +75,8 @@ def test_compiled_induction_equals_numpy_passes_bit_for_bit(kv):
         # a floor price on space, so holding costs rent at every stage
         floor = [0.0, 1e-5, 1e-3][trial % 3]
         prices = Prices.from_dollars(floor_dollars_per_gb_hour=floor)
-        policy = CostPolicy(dataclasses.replace(kv.slow_model(), prices=prices))
+        # chunk by chunk: many rows, so every path of the kernel is met
+        policy = CostPolicy(dataclasses.replace(kv.slow_model(), prices=prices), pricing_chunks=1)
         # returns the predictor learnt from: the schedules differ per class and age
         for _ in range(trial * 20):
             policy.predictor.record_gap(kv.session("k", 256).reuse_key, rng.expovariate(1 / 30.0))
