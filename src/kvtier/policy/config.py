@@ -75,7 +75,7 @@ class CostSection(_Section):
     forecast_window_s: PositiveFloat = 60.0
     # adjacent chunks of a session in one tier priced and placed as one unit, up to this many
     # (1: chunk by chunk); fewer rows per decision, coarser placements
-    pricing_chunks: Annotated[int, Field(ge=1, le=1024)] = 1
+    pricing_chunks: Annotated[int, Field(ge=1, le=1024)] = 8
 
 
 class PredictorSection(_Section):

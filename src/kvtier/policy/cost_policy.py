@@ -155,7 +155,7 @@ class CostPolicy(RetentionPolicy):
     reprice_tolerance: float = 0.05
     # adjacent chunks of a session in one tier priced and placed as one unit, up to this many
     # (`session_table.chunk_columns_many`): fewer rows to price, coarser placements
-    pricing_chunks: int = 1
+    pricing_chunks: int = 8
     name = "cost"
 
     def __post_init__(self) -> None:
