@@ -111,8 +111,7 @@ class _Table:
     values: np.ndarray  # [chunks, tiers] seconds over the horizon
     tiers: tuple[str, ...]
     weight: np.ndarray  # 2 ** priority of each of `sessions`
-    # chunks in each row (a pricing unit's run of adjacent chunks; 1 each by default)
-    span: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    span: np.ndarray  # chunks in each row: a pricing unit's run of adjacent chunks
     # each of `sessions`' chance of returning within the next interval, at its exact idle age
     chance: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # what a return saves per tier: rows `pool_rows` (one per chunk) of `saves_pool`
@@ -568,7 +567,7 @@ def _chunk_table(
         columns[:, 1:3],  # tokens, start: replaced by values when priced
         (),
         weight,
-        span=columns[:, 5].astype(np.int64),
+        columns[:, 5].astype(np.int64),
     )
 
 
@@ -652,12 +651,8 @@ def _actions(
     row_session, index, span = table.row_session, table.index, table.span
     starts = np.searchsorted(row_session, np.arange(len(sessions) + 1))
     # a row is a unit of `span` chunks with consecutive indices: its actions are its chunks'
-    units = bool(len(span)) and bool((span > 1).any())
-    drop_rows = np.flatnonzero(placed < 0)
-    if units:
-        drop_rows, drop_offset = _chunks_of(drop_rows, span)
-    else:
-        drop_offset = 0
+    # (`_chunks_of`: each chunk's row and its place in the unit)
+    drop_rows, drop_offset = _chunks_of(np.flatnonzero(placed < 0), span)
     drops += [
         Drop(sessions[s].session_id, i)
         for s, i in zip(
@@ -667,15 +662,10 @@ def _actions(
     move_rows = np.flatnonzero(moving & (placed >= 0))
     # out of the slowest tiers first; stable, so ties keep session/chunk order
     move_rows = move_rows[np.argsort(-table.rank[move_rows], kind="stable")]
-    # each moving chunk's place among its session's stored chunks
-    if units:
-        position = chunk_positions(span, np.diff(starts))  # each row's first chunk's
-        move_rows, move_offset = _chunks_of(move_rows, span)
-        at_in_session = position[move_rows] + move_offset
-    else:
-        move_offset = 0
-        at_in_session = move_rows - starts[row_session[move_rows]]
+    move_rows, move_offset = _chunks_of(move_rows, span)
     move_sessions = row_session[move_rows]
+    # each moving chunk's place among its session's stored chunks
+    at_in_session = chunk_positions(span, np.diff(starts))[move_rows] + move_offset
     chunks = list(
         map(
             lambda s, at: sessions[s].stored_chunks()[at],
@@ -699,13 +689,11 @@ def _actions(
         moves.sort(key=lambda item: item[0])  # stable: ties keep session/chunk order
         ours = [move for _, move in moves]
     changed = np.bincount(row_session, weights=moving, minlength=len(sessions)) > 0
-    stay = np.flatnonzero(~moving & np.repeat(changed, np.diff(starts)))
+    stay, stay_offset = _chunks_of(
+        np.flatnonzero(~moving & np.repeat(changed, np.diff(starts))), span
+    )
     # the staying chunks of all sessions with a change, in row order, cut per session below
-    if units:
-        stay, stay_offset = _chunks_of(stay, span)
-        stay_index = (index[stay] + stay_offset).tolist()
-    else:
-        stay_index = index[stay].tolist()
+    stay_index = (index[stay] + stay_offset).tolist()
     stay_ends = np.cumsum(np.bincount(row_session[stay], minlength=len(sessions))).tolist()
     left: list[Action] = []
     done = 0  # sessions before this one are in `left`
