@@ -110,6 +110,13 @@ def test_command_line_wiring(toml, monkeypatch):
     assert config.name == "retain" and config.ttl.seconds == {"device": 5}
 
 
+def test_pricing_units_reach_the_policy_from_the_settings():
+    # what `--policy-set cost.pricing_chunks=N` sets is what the built policy's table merges
+    assert build_policy(load_config()).pricing_chunks == 8
+    policy = build_policy(load_config(settings=["cost.pricing_chunks=2"]))
+    assert isinstance(policy, CostPolicy) and policy._state.unit == 2
+
+
 def test_a_measured_profile_replaces_the_configured_one():
     measured = CostProfile(0.0, 1e-3, 0.0)
     policy = build_policy(load_config(), measured)

@@ -84,6 +84,7 @@ from kvtier.policy.session_table import (
     SessionTable,
     chunk_columns,
     chunk_positions,
+    ranges,
 )
 from kvtier.policy.tracker import TurnTracker
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
@@ -584,8 +585,7 @@ def _chunks_of(rows: np.ndarray, span: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(each chunk's row, its place in the row's unit) for the chunks of units `rows`, in
     row order."""
     count = span[rows]
-    firsts = np.cumsum(count) - count
-    return np.repeat(rows, count), np.arange(int(count.sum())) - np.repeat(firsts, count)
+    return np.repeat(rows, count), ranges(np.zeros_like(count), count)
 
 
 def _return_within(q: np.ndarray, d: np.ndarray, span: float) -> np.ndarray:

@@ -3,18 +3,20 @@
 One slot per session of the view holds what decides whether it is a candidate (pinned, idle,
 TTL, idle since), its priority weight, a whole-session `Keep` made once, and what it was last
 priced at (its return schedule q and d, the tier prices, the fastest tier holding one of its
-chunks). One row per stored chunk, in a pool shared by all sessions, holds the chunk's columns
-(index, tokens, first token, bytes, tier rank) and, once priced, its values and what a return
-saves per tier. A decision takes in the sessions whose view changed (`view_diff`), loads the
-columns of those that are candidates, and does the rest as array passes over the slots and
-the pool: which sessions are candidates, their order, their chunks' rows, which of them must
-be priced again. Before this, each decision handed out every session's arrays in Python and
-concatenated them. Sessions idle past `max_age_s` are not candidates: `past_cutoff` hands
-them out, oldest idle first, for the policy's LRU tail (`past_cutoff.py`).
+chunks). One row per pricing unit, in a pool shared by all sessions, holds the unit's columns
+(first chunk's index, tokens, first token, bytes, tier rank, chunks) and, once priced, its
+values and what a return saves per tier. A unit is a run of at most `unit` chunks of the
+session with consecutive indices in one tier (`chunk_columns_many`); with `unit` 1, a chunk.
+A decision takes in the sessions whose view changed (`view_diff`), loads the columns of those
+that are candidates, and does the rest as array passes over the slots and the pool: which
+sessions are candidates, their order, their rows, which of them must be priced again.
+Before this, each decision handed out every session's arrays in Python and concatenated them.
+Sessions idle past `max_age_s` are not candidates: `past_cutoff` hands them out, oldest idle
+first, for the policy's LRU tail (`past_cutoff.py`).
 
-A session's rows are reused while its view is the same object; a view with as many stored
-chunks or fewer overwrites them in place, a larger one takes fresh rows at the end of the
-pool, and the pool is compacted when it runs out with half of it dead.
+A session's rows are reused while its view is the same object; a view with as many rows or
+fewer overwrites them in place, a larger one takes fresh rows at the end of the pool, and the
+pool is compacted when it runs out with half of it dead.
 """
 
 from __future__ import annotations
@@ -252,10 +254,8 @@ class SessionTable:
     def _load(self, slots: list[int]) -> None:
         """Put the columns of the slots' views in the pool: one read over all their chunks and
         array passes, not a round of numpy calls per session (a decision loads tens)."""
-        columns, counts = chunk_columns_many(
-            [self._views[s] for s in slots],
-            self.unit,  # type: ignore[misc]
-        )
+        views = [self._views[s] for s in slots]  # type: ignore[misc]
+        columns, counts = chunk_columns_many(views, self.unit)
         at = np.array(slots, dtype=np.int64)
         grows = counts > self._cap[at]  # more chunks than its rows: fresh rows at the end
         needed = int(counts[grows].sum())
