@@ -361,41 +361,23 @@ class CostPolicy(RetentionPolicy):
         return q_now
 
     def _schedule_rows(
-        self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray, step: bool = True
+        self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """(q, d) per session over the doubling time grid from its idle time to the
         predictor's cut-off, conditioned on the bin edge at or below its idle time `idle`
         (`ReusePredictor.age_floor`): q[s, k] = P(return in interval k | idle until it),
         d[s, k] its length; zero past a session's last interval (a session past the cut-off
-        gets one interval of length `horizon_s` with q = 0). Sessions with the same
-        distribution and age bin have the same schedule, computed once. `step` False: from
-        the exact idle time (nothing to share then). Session s has distribution
-        `table[rows[s]]`."""
+        gets one interval of length `horizon_s` with q = 0), compiled per session
+        (`ReusePredictor.p_reuse_grid`). Session s has distribution `table[rows[s]]`."""
         end = self.predictor.max_age_s
-        h = self.horizon_s
-        if step:
-            edge = self.predictor.age_edge(idle)  # the age bin's edge each schedule starts at
-            edges, age_of = np.unique(edge, return_inverse=True)
-            _, first, which = np.unique(
-                rows * len(edges) + age_of, return_index=True, return_inverse=True
-            )
-            # one grid of times per age bin, shared by every distribution starting there
-            grid_starts, grid_d, found = self._edge_grids
-            age_starts, age_d = grid_starts[edges], grid_d[edges]
-            start_at, end_at = (tuple(part[edges] for part in times) for times in found)
-            at = age_of[first]
-            start, d = self.predictor.edges[edges][at], age_d[at]
-            q = self.predictor.p_reuse_grid(
-                table, rows[first], at, age_starts, age_d, (start_at, end_at)
-            )
-        else:
-            start, which = idle, slice(None)
-            starts, d = self._grid(start)
-            q = self.predictor.p_reuse_cdf(table[rows], starts, d)
+        edge = self.predictor.age_edge(idle)  # the age bin's edge each schedule starts at
+        # one grid of times per age bin, located in the bins once (at construction)
+        grid_starts, grid_d, found = self._edge_grids
+        q = self.predictor.p_reuse_grid(table, rows, edge, grid_starts, grid_d, found)
+        d = grid_d[edge]
         q[d <= 0] = 0.0
-        past = start >= end  # nothing left of the grid: one empty interval, as before
-        d[past, 0] = h
-        return q[which], d[which]
+        d[self.predictor.edges[edge] >= end, 0] = self.horizon_s  # past the cut-off
+        return q, d
 
     def _grid(self, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(each interval's start, its length) per row, on the doubling grid from `start` to
@@ -461,9 +443,8 @@ class CostPolicy(RetentionPolicy):
         # prices): sessions in one age bin would tie, and age orders them
         sessions = np.unique(table.row_session[rows])
         cdf, which = table.distributions
-        q, d = self._schedule_rows(cdf, which[sessions], table.idle[sessions], step=False)
         back = np.zeros(len(table.sessions))
-        back[sessions] = _return_within(q, d, stay)
+        back[sessions] = self._back_within(cdf, which[sessions], table.idle[sessions], stay)
         back = back[table.row_session[rows]]
         size = np.maximum(table.size[rows], 1)
         saving = np.zeros(len(rows))
@@ -475,6 +456,26 @@ class CostPolicy(RetentionPolicy):
         order = rows[np.argsort(-worth, kind="stable")]  # rows ascend: ties in key order
         taken, _ = _first_fit(table.size[order], np.zeros(len(order), dtype=bool), kept)
         return order[taken]
+
+    def _back_within(
+        self, table: np.ndarray, rows: np.ndarray, idle: np.ndarray, span: float
+    ) -> np.ndarray:
+        """`_return_within(span)` of the schedules from the exact idle times `idle` (the grid
+        of `_schedule_rows`, not stepped): the intervals that start `span` or more from now add
+        a factor of exactly 1 to the product, so their chances are not computed (left at 0).
+        The intervals before are priced as in the whole schedule: the same answer to the last
+        bit."""
+        end = self.predictor.max_age_s
+        starts, d = self._grid(idle)
+        before = (starts - idle[:, None] < span).any(axis=0)  # grid columns, in time order
+        m = int(np.count_nonzero(before))
+        q = np.zeros_like(d)
+        q[:, :m] = self.predictor.p_reuse_grid(
+            table, rows, np.arange(len(rows)), starts[:, :m], d[:, :m]
+        )
+        q[d <= 0] = 0.0
+        d[idle >= end, 0] = self.horizon_s  # as `_schedule_rows`: one empty interval
+        return _return_within(q, d, span)
 
     def _allocate(
         self, view: PolicyView, table: _Table, movable: Mapping[str, int], now: float
@@ -668,8 +669,8 @@ def _actions(
     at_in_session = chunk_positions(span, np.diff(starts))[move_rows] + move_offset
     chunks = list(
         map(
-            lambda s, at: sessions[s].stored_chunks()[at],
-            move_sessions.tolist(),
+            tuple.__getitem__,
+            map(SessionView.stored_chunks, map(sessions.__getitem__, move_sessions.tolist())),
             at_in_session.tolist(),
         )
     )

@@ -176,3 +176,94 @@ def life_table(counts, base, weight, total, censored, out):  # pragma: no cover 
         survival = survival * (1.0 - hazard)
         left += finished + censored[i]
     return survival
+
+
+@compiled(
+    "float64(float64[:,::1], int64, int64, float64, boolean, int64, float64, boolean, float64,"
+    " float64, float64)",
+    inline="always",
+)
+def _chance(  # pragma: no cover - compiled
+    table, row, i0, share0, beyond0, i1, share1, beyond1, idle, horizon, max_age
+):
+    """`ReusePredictor._p_reuse` of one interval under distribution `table[row]`: the
+    cumulative masses at its start and end (bins `i0`, `i1`, shares of the way through them,
+    and whether past the last edge, as `ReusePredictor._locate` finds them) interpolated as
+    `_cdf_many` does, then P(return in it | idle at its start), numpy's clip and where."""
+    last = table.shape[1] - 1
+    start = (
+        table[row, last]
+        if beyond0
+        else table[row, i0] + (table[row, i0 + 1] - table[row, i0]) * share0
+    )
+    end = (
+        table[row, last]
+        if beyond1
+        else table[row, i1] + (table[row, i1 + 1] - table[row, i1]) * share1
+    )
+    alive = 1 - start
+    if idle >= max_age or horizon <= 0 or alive <= 0:
+        return 0.0
+    p = (end - start) / alive
+    return min(max(p, 0.0), 1.0)
+
+
+@compiled(
+    "void(float64[:,::1], int64[::1], int64[::1], float64[:,::1], float64[:,::1],"
+    " int64[:,::1], float64[:,::1], boolean[:,::1], int64[:,::1], float64[:,::1],"
+    " boolean[:,::1], float64, float64[:,::1])"
+)
+def grid_chances(  # pragma: no cover - compiled
+    table, rows, edge, starts, lengths, i0, share0, beyond0, i1, share1, beyond1, max_age, q
+):
+    """q[s, k]: P(return in interval k | idle until it starts) for session s, under
+    distribution `table[rows[s]]`, on the time grid of its age bin's edge `edge[s]` (row e of
+    `starts` and `lengths`, with where each interval's start and end fall in the bins: rows e
+    of the located arrays); 0 where the interval is empty. `CostPolicy._schedule_rows`' numpy
+    passes did the same operations per element, so the same bits."""
+    for s in range(len(rows)):
+        r = rows[s]
+        e = edge[s]
+        for k in range(starts.shape[1]):
+            if lengths[e, k] <= 0:
+                q[s, k] = 0.0
+            else:
+                q[s, k] = _chance(
+                    table,
+                    r,
+                    i0[e, k],
+                    share0[e, k],
+                    beyond0[e, k],
+                    i1[e, k],
+                    share1[e, k],
+                    beyond1[e, k],
+                    starts[e, k],
+                    lengths[e, k],
+                    max_age,
+                )
+
+
+@compiled(
+    "void(float64[:,::1], int64[::1], int64[::1], float64[::1], boolean[::1], int64[::1],"
+    " float64[::1], boolean[::1], float64[::1], float64[::1], float64, float64[::1])"
+)
+def row_chances(  # pragma: no cover - compiled
+    table, rows, i0, share0, beyond0, i1, share1, beyond1, idle, horizon, max_age, out
+):
+    """out[s]: P(return within `horizon[s]` | idle `idle[s]`) under distribution
+    `table[rows[s]]`, the interval's ends located in the bins as `grid_chances` takes them:
+    `ReusePredictor.p_reuse_rows`' arithmetic after its logarithms."""
+    for s in range(len(rows)):
+        out[s] = _chance(
+            table,
+            rows[s],
+            i0[s],
+            share0[s],
+            beyond0[s],
+            i1[s],
+            share1[s],
+            beyond1[s],
+            idle[s],
+            horizon[s],
+            max_age,
+        )

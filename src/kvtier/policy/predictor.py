@@ -60,7 +60,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvtier.policy.kernels import cumulative_masses, life_table
+from kvtier.policy.kernels import cumulative_masses, grid_chances, life_table, row_chances
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -279,10 +279,23 @@ class ReusePredictor:
     ) -> np.ndarray:
         """`p_reuse_cdf` of one idle time and horizon per session, session s under
         distribution `table[rows[s]]`, reading only the entries it needs (a decision asks
-        this of every candidate: gathering their whole rows cost more than the answer)."""
-        return self._p_reuse_cdf(
-            table, np.asarray(idle_s, float), np.asarray(horizon_s, float), rows
+        this of every candidate: gathering their whole rows cost more than the answer). The
+        logarithms are numpy's (`_locate`), the rest compiled (`kernels.row_chances`): the
+        same operations, so the same bits."""
+        idle, horizon = np.asarray(idle_s, float), np.asarray(horizon_s, float)
+        first, last = self.locate_grid(idle, horizon)
+        out = np.empty(len(idle))
+        row_chances(
+            np.ascontiguousarray(table, dtype=float),
+            np.ascontiguousarray(rows, dtype=np.int64),
+            *_contiguous(first),
+            *_contiguous(last),
+            np.ascontiguousarray(idle),
+            np.ascontiguousarray(horizon),
+            float(self.max_age_s),
+            out,
         )
+        return out
 
     def cdf_rows(self, sessions: Sequence[SessionView]) -> np.ndarray:
         """Each session's cumulative gap masses at the bin edges: its key's, blended with its
@@ -309,7 +322,8 @@ class ReusePredictor:
             return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
         if keys is None:
             keys = list(map(_REUSE_KEY, sessions))
-        which = {key: k for k, key in enumerate(dict.fromkeys(keys))}  # key -> row in `cdfs`
+        distinct = dict.fromkeys(keys)
+        which = dict(zip(distinct, range(len(distinct)), strict=True))  # key -> row in `cdfs`
         cdfs = [self._distribution(key)[0] for key in which]
         weights: list[float] = []
         for key in which:
@@ -323,15 +337,18 @@ class ReusePredictor:
             # only for those that do
             if ids is None:
                 ids = list(map(_SESSION_ID, sessions))
-            has_gaps = np.fromiter(map(bool, map(gaps.get, ids)), bool, len(ids))
+            # a session's gaps are never an empty deque: it is forgotten instead
+            has_gaps = np.fromiter(map(gaps.__contains__, ids), bool, len(ids))
             own_at = np.flatnonzero(has_gaps & (np.array(weights) != math.inf)[at])
         table = np.stack(cdfs)
         if len(own_at):
             own_ids = list(map(ids.__getitem__, own_at.tolist()))
-            own_counts = [len(gaps[session_id]) for session_id in own_ids]
+            own_counts = list(map(len, map(gaps.__getitem__, own_ids)))
             key_rows = at[own_at]
             weight = np.array(weights)[key_rows][:, None]
-            mine = np.array(list(map(self._mine, own_ids)))  # C-level, unlike np.stack
+            for session_id in set(own_ids).difference(self._own):  # a return since
+                self._mine(session_id)
+            mine = np.array(list(map(self._own.__getitem__, own_ids)))  # C-level, not np.stack
             count = np.array(own_counts, dtype=float)[:, None]
             at[own_at] = len(table) + np.arange(len(own_at))
             blended = (mine + weight * table[key_rows]) / (count + weight)
@@ -357,19 +374,24 @@ class ReusePredictor:
         """`p_reuse_cdf` of row `at[s]` of `idle_s` and `horizon_s` under distribution
         `table[rows[s]]`, per s: sessions whose schedules start on one age bin's edge share a
         row of times, so where those times fall in the bins (a logarithm each) is found once
-        per row of times, not once per session (the same operations on the same numbers).
-        `located`: `locate_grid` of these times, where the caller has it."""
+        per row of times, not once per session; the rest is compiled (`kernels.grid_chances`),
+        the same operations on the same numbers. `located`: `locate_grid` of these times,
+        where the caller has it."""
         idle, horizon = np.asarray(idle_s, float), np.asarray(horizon_s, float)
         first, last = self.locate_grid(idle, horizon) if located is None else located
-        top = table[rows, -1][:, None]
-        row = rows[:, None]
-
-        def cdf_at(found: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-            i, share, beyond = (part[at] for part in found)
-            below, above = table[row, i], table[row, i + 1]
-            return np.where(beyond, top, below + (above - below) * share)
-
-        return self._p_reuse(cdf_at(first), cdf_at(last), idle[at], horizon[at])
+        q = np.empty((len(rows), idle.shape[1]))
+        grid_chances(
+            np.ascontiguousarray(table, dtype=float),
+            np.ascontiguousarray(rows, dtype=np.int64),
+            np.ascontiguousarray(at, dtype=np.int64),
+            np.ascontiguousarray(idle),
+            np.ascontiguousarray(horizon),
+            *_contiguous(first),
+            *_contiguous(last),
+            float(self.max_age_s),
+            q,
+        )
+        return q
 
     def _p_reuse_cdf(
         self,
@@ -552,6 +574,16 @@ def _from_zero(masses: np.ndarray) -> np.ndarray:
     out[0] = 0.0
     np.cumsum(masses, out=out[1:])
     return out
+
+
+def _contiguous(found: Located) -> Located:
+    """`_locate`'s (bin, share, past the end) as the compiled kernels take them."""
+    i, share, beyond = found
+    return (
+        np.ascontiguousarray(i, dtype=np.int64),
+        np.ascontiguousarray(share, dtype=float),
+        np.ascontiguousarray(beyond, dtype=bool),
+    )
 
 
 def _same_counts(a: dict[Key | None, np.ndarray], b: dict[Key | None, np.ndarray]) -> bool:
