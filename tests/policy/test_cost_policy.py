@@ -356,3 +356,58 @@ def test_pricing_some_chunks_in_place_gives_what_pricing_them_all_gives(kv):
     policy._induction(chunks, q, d, prices, tiers, at, part_values, part_gain, priced)
     assert part_values.tolist() == values[priced].tolist()
     assert part_gain.tolist() == gain[priced].tolist()
+
+
+def _learned(kv):
+    """A policy whose predictor has learned two keys' gaps and 20 sessions' own ones, the
+    sessions' distributions and their idle times: at 0, inside bin 0, on and between bin
+    edges, near and past the cut-off."""
+    from kvtier.policy.view import SessionView
+
+    policy = CostPolicy(kv.slow_model())
+    predictor = policy.predictor
+    rng = np.random.default_rng(5)
+    keys = (("t", "chat"), ("t", "api"))
+    for i in range(40):
+        for _ in range(5):
+            gap = float(rng.lognormal(3.0, 1.5))
+            predictor.record_gap(keys[i % 2], gap, session_id=f"s{i % 20}")
+    sessions = [SessionView(f"s{i}", app_class=keys[i % 2][1], tenant="t") for i in range(30)]
+    table, rows = predictor.cdf_table(sessions)
+    edges = predictor.edges
+    idle = np.concatenate(
+        [[0.0, 0.5, edges[7], edges[7] + 1.0, 3599.0, 3600.0, 5000.0], rng.uniform(0, 4000, 23)]
+    )
+    return policy, table, rows, idle
+
+
+def test_stepped_schedules_are_each_sessions_own_priced_in_numpy(kv):
+    # `_schedule_rows` prices every session's grid in a compiled kernel after numpy's
+    # logarithms: the same bits as numpy pricing each session's own copy of its grid
+    policy, table, rows, idle = _learned(kv)
+    predictor = policy.predictor
+    q, d = policy._schedule_rows(table, rows, idle)
+    starts, lengths = policy._grid(predictor.age_floor(idle))
+    want = predictor.p_reuse_cdf(table[rows], starts, lengths)
+    want[lengths <= 0] = 0.0
+    lengths[predictor.age_floor(idle) >= predictor.max_age_s, 0] = policy.horizon_s
+    assert q.tobytes() == want.tobytes() and d.tobytes() == lengths.tobytes()
+    assert len(table) > 2 and q.max() > 0 and (q == 0).any()
+
+
+def test_keepers_chance_of_return_within_their_stay_prices_only_the_intervals_it_covers(kv):
+    # `_back_within` skips the intervals that start after the stay: each would add a factor
+    # of exactly 1, so the answer is the whole schedule's, bit for bit
+    from kvtier.policy.cost_policy import _return_within
+
+    policy, table, rows, idle = _learned(kv)
+    predictor = policy.predictor
+    starts, d = policy._grid(idle)
+    q = predictor.p_reuse_cdf(table[rows], starts, d)
+    q[d <= 0] = 0.0
+    d[idle >= predictor.max_age_s, 0] = policy.horizon_s
+    for span in (policy.horizon_s, 40.0, 600.0, predictor.max_age_s):
+        want = _return_within(q, d, span)
+        got = policy._back_within(table, rows, idle, span)
+        assert got.tobytes() == want.tobytes(), span
+        assert 0 < want.max() <= 1

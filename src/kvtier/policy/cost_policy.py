@@ -467,11 +467,19 @@ class CostPolicy(RetentionPolicy):
         bit."""
         end = self.predictor.max_age_s
         starts, d = self._grid(idle)
-        before = (starts - idle[:, None] < span).any(axis=0)  # grid columns, in time order
+        # grid columns with an interval that starts before `span`, from now as
+        # `_return_within` finds it (the same sums, so the same columns)
+        offset = np.cumsum(d, axis=1) - d
+        before = ((offset < span) & (d > 0)).any(axis=0)
         m = int(np.count_nonzero(before))
         q = np.zeros_like(d)
+        # contiguous copies: numpy's vector loops take the logarithms, as on the whole grid
         q[:, :m] = self.predictor.p_reuse_grid(
-            table, rows, np.arange(len(rows)), starts[:, :m], d[:, :m]
+            table,
+            rows,
+            np.arange(len(rows)),
+            np.ascontiguousarray(starts[:, :m]),
+            np.ascontiguousarray(d[:, :m]),
         )
         q[d <= 0] = 0.0
         d[idle >= end, 0] = self.horizon_s  # as `_schedule_rows`: one empty interval

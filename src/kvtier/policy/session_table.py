@@ -41,7 +41,9 @@ COLUMNS = 6  # index, tokens, token_start, bytes, tier rank, chunks (a unit's sp
 Q_FLOOR = 1e-4
 
 
-_FIELDS = attrgetter("index", "token_end", "token_start", "size_bytes")
+# index, token_end, token_start, bytes: read one attribute over all chunks at a time (a
+# tuple per chunk costs more)
+_FIELDS = tuple(map(attrgetter, ("index", "token_end", "token_start", "size_bytes")))
 _TIER = attrgetter("tier")
 
 
@@ -59,9 +61,9 @@ def chunk_columns_many(sessions: list[SessionView], unit: int = 1) -> tuple[np.n
     stored = list(map(SessionView.stored_chunks, sessions))
     counts = np.fromiter(map(len, stored), np.int64, len(stored))
     chunks = list(chain.from_iterable(stored))
-    raw = np.fromiter(chain.from_iterable(map(_FIELDS, chunks)), float, 4 * len(chunks))
     out = np.empty((len(chunks), COLUMNS))
-    out[:, :4] = raw.reshape(-1, 4)  # index, token_end, token_start, bytes
+    for column, field in enumerate(_FIELDS):  # index, token_end, token_start, bytes
+        out[:, column] = np.fromiter(map(field, chunks), float, len(chunks))
     out[:, 1] -= out[:, 2]  # tokens; exact: token counts are far below 2**53
     out[:, 4] = np.fromiter(map(TIER_RANK.__getitem__, map(_TIER, chunks)), float, len(chunks))
     out[:, 5] = 1.0
