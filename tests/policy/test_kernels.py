@@ -249,3 +249,85 @@ def test_compiled_life_table_equals_the_numpy_passes(kv):
         cdf, got_none = predictor._distribution(key)
         assert cdf[0] == 0.0 and cdf[1:].tobytes() == np.cumsum(masses).tobytes()
         assert got_none == no_return and 0.0 < no_return < 1.0
+
+
+def _numpy_units(out, counts, unit):
+    """Single-chunk rows merged into pricing units in numpy passes (what
+    `kernels.merge_units` replaced)."""
+    n = len(out)
+    session = np.repeat(np.arange(len(counts)), counts)
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = (
+        (session[1:] != session[:-1])
+        | (out[1:, 0] != out[:-1, 0] + 1)
+        | (out[1:, 4] != out[:-1, 4])
+    )
+    run_first = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    at = np.flatnonzero(starts | ((np.arange(n) - run_first) % unit == 0))
+    merged = out[at].copy()
+    merged[:, 1] = np.add.reduceat(out[:, 1], at)
+    merged[:, 3] = np.add.reduceat(out[:, 3], at)
+    merged[:, 5] = np.diff(np.append(at, n))
+    return merged, np.bincount(session[at], minlength=len(counts))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compiled_unit_merge_equals_the_numpy_passes(seed):
+    # sessions of 0-30 chunks with index gaps and tier changes, merged at units of 1-9
+    from kvtier.policy.session_table import _units
+
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 30, 12)
+    rows = []
+    for count in counts:
+        index = np.cumsum(rng.choice([1, 1, 1, 2], count)) - 1
+        tier = np.sort(rng.integers(0, 3, count))
+        tokens = rng.integers(1, 1024, count)
+        for i, t, k in zip(index, tier, tokens, strict=True):
+            rows.append([i, k, 1024 * i, k * 4096, t, 1.0])
+    out = np.array(rows, dtype=float).reshape(-1, 6)
+    unit = int(rng.integers(1, 10))
+    got, units = _units(out, counts, unit)
+    want, want_units = _numpy_units(out, counts, unit)
+    assert got.tobytes() == want.tobytes() and units.tolist() == want_units.tolist()
+    assert unit == 1 or len(got) < len(out) or not len(out)
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.05])
+def test_compiled_stale_test_equals_the_numpy_passes(tolerance):
+    # `SessionTable.stale`'s test on random schedules and prices near what they were priced
+    # at: every reason to re-price appears, alone and together
+    from kvtier.policy.kernels import stale_rows
+    from kvtier.policy.session_table import Q_FLOOR
+
+    rng = np.random.default_rng(3)
+    slots_total, n, k, tiers = 50, 40, 8, 3
+    was_q = rng.uniform(0, 1, (slots_total, k))
+    was_d = rng.choice([5.0, 10.0, 20.0], (slots_total, k))
+    was_prices = np.tile(rng.uniform(0.5, 2, tiers), (slots_total, 1))
+    top = rng.integers(0, 3, slots_total).astype(float)
+    priced = rng.random(slots_total) < 0.9
+    slots = rng.permutation(slots_total)[:n]
+    # a few rows' probabilities move a little (within 5%) or a lot, a few interval lengths
+    # change, and the device's price moves 10% (stale only where a chunk is on the device)
+    q, d = was_q[slots].copy(), was_d[slots].copy()
+    rows, columns = rng.integers(0, n, 12), rng.integers(0, k, 12)
+    q[rows[:6], columns[:6]] *= 1.01
+    q[rows[6:9], columns[6:9]] *= 1.2
+    d[rows[9:], columns[9:]] = 40.0
+    prices = was_prices[0].copy()
+    prices[0] *= 1.1
+    ranks = np.array([0, 1, 2], dtype=np.int64)
+    floor = Q_FLOOR if tolerance else 0.0
+    got = np.empty(n, dtype=bool)
+    stale_rows(
+        q, d, prices, ranks, slots, was_q, was_d, was_prices, top, priced, tolerance, floor, got
+    )
+    moved = (np.abs(q - was_q[slots]) > tolerance * was_q[slots] + floor).any(axis=1)
+    moved |= (d != was_d[slots]).any(axis=1)
+    drift = (
+        np.abs(prices[None, :] - was_prices[slots]) > tolerance * np.abs(was_prices[slots])
+    ) & (ranks[None, :] >= top[slots][:, None])
+    want = ~priced[slots] | moved | drift.any(axis=1)
+    assert got.tolist() == want.tolist()
+    assert 0 < want.sum() < n

@@ -267,3 +267,69 @@ def row_chances(  # pragma: no cover - compiled
             horizon[s],
             max_age,
         )
+
+
+@compiled("int64(float64[:,::1], int64[::1], int64, float64[:,::1], int64[::1])")
+def merge_units(rows, counts, unit, merged, units):  # pragma: no cover - compiled
+    """`session_table.chunk_columns_many`'s rows of single chunks (`counts[s]` of session s
+    in turn: index, tokens, first token, bytes, tier rank, 1) merged into pricing units: a
+    unit is a run of at most `unit` chunks of one session with consecutive indices in one
+    tier; its tokens, bytes and chunk count are the sums (whole numbers: exact in any
+    order), the rest its first chunk's. Writes `merged` (at least as many rows as `rows`) and
+    `units[s]`, session s's unit count; returns how many units there are."""
+    out = -1
+    r = 0
+    for s in range(len(counts)):
+        units[s] = 0
+        run = 0  # chunks in the current unit
+        for _ in range(counts[s]):
+            joins = (
+                run > 0
+                and run < unit
+                and rows[r, 0] == rows[r - 1, 0] + 1
+                and rows[r, 4] == rows[r - 1, 4]
+            )
+            if joins:
+                merged[out, 1] += rows[r, 1]
+                merged[out, 3] += rows[r, 3]
+                merged[out, 5] += 1.0
+                run += 1
+            else:
+                out += 1
+                for c in range(rows.shape[1]):
+                    merged[out, c] = rows[r, c]
+                units[s] += 1
+                run = 1
+            r += 1
+    return out + 1
+
+
+@compiled(
+    "void(float64[:,::1], float64[:,::1], float64[::1], int64[::1], int64[::1], float64[:,::1],"
+    " float64[:,::1], float64[:,::1], float64[::1], boolean[::1], float64, float64,"
+    " boolean[::1])"
+)
+def stale_rows(  # pragma: no cover - compiled
+    q, d, prices, ranks, slots, was_q, was_d, was_prices, top, priced, tolerance, floor, out
+):
+    """`SessionTable.stale`'s test per candidate s (stored in row `slots[s]` of the `was_`
+    arrays, `top`, `priced`): never priced, an interval length changed, a probability moved
+    by more than `tolerance` * what it was + `floor`, or the price of a tier at or below its
+    fastest (`ranks[j] >= top`) by more than `tolerance` of what it was. The same
+    comparisons of the same numbers as the numpy passes."""
+    for s in range(q.shape[0]):
+        slot = slots[s]
+        stale = not priced[slot]
+        for k in range(q.shape[1]):
+            if stale:
+                break
+            was = was_q[slot, k]
+            if abs(q[s, k] - was) > tolerance * was + floor or d[s, k] != was_d[slot, k]:
+                stale = True
+        for j in range(len(prices)):
+            if stale:
+                break
+            was = was_prices[slot, j]
+            if abs(prices[j] - was) > tolerance * abs(was) and ranks[j] >= top[slot]:
+                stale = True
+        out[s] = stale

@@ -31,6 +31,7 @@ from operator import attrgetter
 import numpy as np
 
 from kvtier.policy.actions import Keep
+from kvtier.policy.kernels import merge_units, stale_rows
 from kvtier.policy.past_cutoff import PastChunks, PastCutoff
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
@@ -73,25 +74,12 @@ def chunk_columns_many(sessions: list[SessionView], unit: int = 1) -> tuple[np.n
 
 
 def _units(out: np.ndarray, counts: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
-    """`chunk_columns_many`'s rows of single chunks merged into units of at most `unit`."""
-    n = len(out)
-    session = np.repeat(np.arange(len(counts)), counts)
-    # a run of mergeable chunks starts at a new session, a gap in the indices or a new tier
-    starts = np.ones(n, dtype=bool)
-    starts[1:] = (
-        (session[1:] != session[:-1])
-        | (out[1:, 0] != out[:-1, 0] + 1)
-        | (out[1:, 4] != out[:-1, 4])
-    )
-    run_first = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
-    first = starts | ((np.arange(n) - run_first) % unit == 0)  # each run cut every `unit`
-    at = np.flatnonzero(first)
-    merged = out[at].copy()
-    # whole token and byte counts: exact sums
-    merged[:, 1] = np.add.reduceat(out[:, 1], at)
-    merged[:, 3] = np.add.reduceat(out[:, 3], at)
-    merged[:, 5] = np.diff(np.append(at, n))
-    return merged, np.bincount(session[at], minlength=len(counts))
+    """`chunk_columns_many`'s rows of single chunks merged into units of at most `unit`
+    (compiled: `kernels.merge_units`)."""
+    merged = np.empty_like(out)
+    units = np.empty(len(counts), dtype=np.int64)
+    n = merge_units(out, np.ascontiguousarray(counts, dtype=np.int64), unit, merged, units)
+    return merged[:n], units
 
 
 def chunk_positions(span: np.ndarray, count: np.ndarray) -> np.ndarray:
@@ -398,16 +386,25 @@ class SessionTable:
             self._d = np.zeros((self._slots, q.shape[1]))
             self._prices = np.zeros((self._slots, len(prices)))
             self._priced[:] = False
-        ranks = np.array([TIER_RANK[t] for t in self.tiers])
-        tolerance = self.tolerance
-        was_q, was_prices = self._q[slots], self._prices[slots]
-        floor = Q_FLOOR if tolerance else 0.0
-        moved = (np.abs(q - was_q) > tolerance * was_q + floor).any(axis=1)
-        moved |= (d != self._d[slots]).any(axis=1)
-        drift = (np.abs(prices[None, :] - was_prices) > tolerance * np.abs(was_prices)) & (
-            ranks[None, :] >= self._top[slots][:, None]
+        ranks = np.array([TIER_RANK[t] for t in self.tiers], dtype=np.int64)
+        floor = Q_FLOOR if self.tolerance else 0.0
+        out = np.empty(len(slots), dtype=bool)
+        stale_rows(
+            np.ascontiguousarray(q, dtype=float),
+            np.ascontiguousarray(d, dtype=float),
+            np.ascontiguousarray(prices, dtype=float),
+            ranks,
+            np.ascontiguousarray(slots, dtype=np.int64),
+            self._q,
+            self._d,
+            self._prices,
+            self._top,
+            self._priced,
+            float(self.tolerance),
+            float(floor),
+            out,
         )
-        return ~self._priced[slots] | moved | drift.any(axis=1)
+        return out
 
     def store(
         self,
