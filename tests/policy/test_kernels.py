@@ -251,6 +251,22 @@ def test_compiled_life_table_equals_the_numpy_passes(kv):
         assert got_none == no_return and 0.0 < no_return < 1.0
 
 
+def test_a_return_is_scored_against_the_distribution_the_predictor_would_give(kv):
+    # `_scored_against` builds the key's and the pooled distributions in one compiled call:
+    # bit for bit `_distribution`'s, with and without gaps running, and for a key never seen
+    rng = np.random.default_rng(8)
+    predictor = CostPolicy(kv.slow_model()).predictor
+    keys = [("t", "chat"), ("t", "api")]
+    for step in range(200):
+        predictor.record_gap(keys[step % 2], float(rng.exponential(60.0)), f"s{step % 7}")
+    for running in ({}, {keys[0]: rng.uniform(0, 3000, 50)}):
+        predictor.censor(running)
+        for key in (*keys, ("t", "unseen")):
+            want = predictor._distribution(key)[0]
+            assert predictor._scored_against(key).tobytes() == want.tobytes(), key
+    assert predictor._censored  # the second round had gaps running
+
+
 def _numpy_units(out, counts, unit):
     """Single-chunk rows merged into pricing units in numpy passes (what
     `kernels.merge_units` replaced)."""

@@ -1,5 +1,6 @@
 """The cost policy's hot loops, compiled: the backward induction and the allocation's last pass
-over every candidate chunk, and the predictor's rebuild of a distribution after each return.
+over every candidate chunk, the predictor's rebuild of a distribution after each return, and
+the small passes of every decision.
 
 `CostPolicy._induction` prices every candidate chunk at (almost) every decision: about a dozen
 stages of the recursion of `cost_policy`'s module docstring over each chunk and tier. In numpy
@@ -22,6 +23,15 @@ on 64 bins each time. The same divisions and the same left-to-right running sum 
 (`ReusePredictor.censor`): the actuarial life table over finished and running gaps, rebuilt
 as often, in the same operations and order as the numpy passes it replaced (running sums and
 products left to right, as `np.cumsum` and `np.cumprod` take them).
+
+The rest are small per-decision passes that were a dozen numpy calls each over a few hundred
+sessions, where the calls cost more than the arithmetic: `grid_chances` and `row_chances` read
+each session's return chances off its distribution once numpy has located the times in the
+bins (the logarithms stay numpy's: numba's `log` differs from it in the last bit on a few
+inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons and `merge_units`
+the merging of a session's chunks into pricing units (sums of whole numbers). Each does the
+same operations on the same numbers as the numpy passes it replaced, which the tests keep
+beside them.
 
 They are compiled when this module is first imported, from numba's on-disk cache after the first
 time in an environment (next to this file, or numba's per-user directory when that is not
@@ -333,3 +343,50 @@ def stale_rows(  # pragma: no cover - compiled
             if abs(prices[j] - was) > tolerance * abs(was) and ranks[j] >= top[slot]:
                 stale = True
         out[s] = stale
+
+
+@compiled(
+    "void(float64[::1], float64, float64[::1], float64, float64, float64[::1], boolean,"
+    " float64[::1], float64, float64[::1], boolean, float64[::1], float64[::1])"
+)
+def key_distribution(  # pragma: no cover - compiled
+    pooled_counts,
+    pooled_no_return,
+    prior,
+    prior_no_return,
+    weight,
+    pooled_censored,
+    pooled_running,
+    counts,
+    no_return,
+    censored,
+    running,
+    pooled_out,
+    out,
+):
+    """`ReusePredictor._distribution` of a key and of the pooled histogram it blends with, in
+    one call (the predictor scores every return against its key's distribution, which the
+    return before changed): the pooled cumulative masses into `pooled_out` (its histogram
+    blended with the prior, `cumulative_masses`, or with the gaps still running,
+    `life_table`, when `pooled_running`), then the key's into `out` over the pooled masses
+    the same way. Totals are whole counts plus the prior's weight, summed as the predictor
+    sums them; the rest is the same kernels."""
+    total = 0.0
+    for c in pooled_counts:  # whole counts: exact in any order
+        total += c
+    total = total + pooled_no_return + weight
+    if pooled_running:
+        life_table(pooled_counts, prior, weight, total, pooled_censored, pooled_out)
+    else:
+        cumulative_masses(pooled_counts, prior, weight, total, pooled_out)
+    base = np.empty(len(pooled_out) - 1)
+    for i in range(len(base)):
+        base[i] = pooled_out[i + 1] - pooled_out[i]
+    total = 0.0
+    for c in counts:
+        total += c
+    total = total + no_return + weight
+    if running:
+        life_table(counts, base, weight, total, censored, out)
+    else:
+        cumulative_masses(counts, base, weight, total, out)

@@ -60,7 +60,13 @@ from operator import attrgetter
 
 import numpy as np
 
-from kvtier.policy.kernels import cumulative_masses, grid_chances, life_table, row_chances
+from kvtier.policy.kernels import (
+    cumulative_masses,
+    grid_chances,
+    key_distribution,
+    life_table,
+    row_chances,
+)
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -146,6 +152,7 @@ class ReusePredictor:
         lows = np.maximum(self.edges[:-1], 1e-300)
         self._log_width = np.log(self.edges[1:] / lows)
         self._prior_masses, self._prior_no_return = self.prior.masses(self.edges)
+        self._no_bins = np.zeros(len(self.edges) - 1)  # no gaps running
         self._pooled = _Histogram(bins)
         self._keys: OrderedDict[Key, _Histogram] = OrderedDict()
         self._max_keys = max_keys
@@ -452,7 +459,7 @@ class ReusePredictor:
         own = self._sessions.get(session_id)
         if not own:
             return  # every candidate predicts the same for a session without gaps
-        cdf, _ = self._distribution(key)
+        cdf = self._scored_against(key)
         late = gap_s >= self.max_age_s
         b = 0 if late else self._bin(gap_s)
         histogram = self._histogram(key)
@@ -472,6 +479,35 @@ class ReusePredictor:
                 ]
             p = 1.0 - blended[0] if late else blended[1] - blended[0]
             histogram.scores[i] += math.log(max(p, 1e-12))
+
+    def _scored_against(self, key: Key) -> np.ndarray:
+        """`_distribution(key)`'s cumulative masses, in one compiled call for a known key
+        (`kernels.key_distribution`: the same operations, so the same bits). Every return is
+        scored against its key's distribution, which the return before changed (through the
+        pooled histogram too), so there is nothing to cache."""
+        histogram = self._keys.get(key)
+        if histogram is None:
+            return self._distribution(None)[0]
+        pooled_running = self._censored.get(None)
+        running = self._censored.get(key)
+        nothing = self._no_bins
+        pooled_out, out = np.empty(len(self.edges)), np.empty(len(self.edges))
+        key_distribution(
+            self._pooled.counts,
+            float(self._pooled.no_return),
+            self._prior_masses,
+            float(self._prior_no_return),
+            float(self.prior.weight),
+            nothing if pooled_running is None else pooled_running,
+            pooled_running is not None,
+            histogram.counts,
+            float(histogram.no_return),
+            nothing if running is None else running,
+            running is not None,
+            pooled_out,
+            out,
+        )
+        return out
 
     def _cdf_many(
         self, cdf: np.ndarray, x: np.ndarray, rows: np.ndarray | None = None
