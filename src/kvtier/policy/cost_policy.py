@@ -374,8 +374,7 @@ class CostPolicy(RetentionPolicy):
         # one grid of times per age bin, located in the bins once (at construction)
         grid_starts, grid_d, found = self._edge_grids
         q = self.predictor.p_reuse_grid(table, rows, edge, grid_starts, grid_d, found)
-        d = grid_d[edge]
-        q[d <= 0] = 0.0
+        d = grid_d[edge]  # q is 0 on an empty interval
         d[self.predictor.edges[edge] >= end, 0] = self.horizon_s  # past the cut-off
         return q, d
 
@@ -480,8 +479,7 @@ class CostPolicy(RetentionPolicy):
             np.arange(len(rows)),
             np.ascontiguousarray(starts[:, :m]),
             np.ascontiguousarray(d[:, :m]),
-        )
-        q[d <= 0] = 0.0
+        )  # 0 on an empty interval
         d[idle >= end, 0] = self.horizon_s  # as `_schedule_rows`: one empty interval
         return _return_within(q, d, span)
 

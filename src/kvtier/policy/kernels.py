@@ -28,8 +28,10 @@ The rest are small per-decision passes that were a dozen numpy calls each over a
 sessions, where the calls cost more than the arithmetic: `grid_chances` and `row_chances` read
 each session's return chances off its distribution once numpy has located the times in the
 bins (the logarithms stay numpy's: numba's `log` differs from it in the last bit on a few
-inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons and `merge_units`
-the merging of a session's chunks into pricing units (sums of whole numbers). Each does the
+inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons, `merge_units`
+the merging of a session's chunks into pricing units (sums of whole numbers), and
+`key_distribution` a key's distribution with the pooled one it blends with, in one call, to
+score each return against (`ReusePredictor._scored_against`). Each does the
 same operations on the same numbers as the numpy passes it replaced, which the tests keep
 beside them.
 
@@ -229,28 +231,26 @@ def grid_chances(  # pragma: no cover - compiled
     """q[s, k]: P(return in interval k | idle until it starts) for session s, under
     distribution `table[rows[s]]`, on the time grid of its age bin's edge `edge[s]` (row e of
     `starts` and `lengths`, with where each interval's start and end fall in the bins: rows e
-    of the located arrays); 0 where the interval is empty. `CostPolicy._schedule_rows`' numpy
-    passes did the same operations per element, so the same bits."""
+    of the located arrays); 0 where the interval is empty (`_chance`).
+    `CostPolicy._schedule_rows`' numpy passes did the same operations per element, so the
+    same bits."""
     for s in range(len(rows)):
         r = rows[s]
         e = edge[s]
         for k in range(starts.shape[1]):
-            if lengths[e, k] <= 0:
-                q[s, k] = 0.0
-            else:
-                q[s, k] = _chance(
-                    table,
-                    r,
-                    i0[e, k],
-                    share0[e, k],
-                    beyond0[e, k],
-                    i1[e, k],
-                    share1[e, k],
-                    beyond1[e, k],
-                    starts[e, k],
-                    lengths[e, k],
-                    max_age,
-                )
+            q[s, k] = _chance(
+                table,
+                r,
+                i0[e, k],
+                share0[e, k],
+                beyond0[e, k],
+                i1[e, k],
+                share1[e, k],
+                beyond1[e, k],
+                starts[e, k],
+                lengths[e, k],
+                max_age,
+            )
 
 
 @compiled(
@@ -346,14 +346,33 @@ def stale_rows(  # pragma: no cover - compiled
 
 
 @compiled(
-    "void(float64[::1], float64, float64[::1], float64, float64, float64[::1], boolean,"
-    " float64[::1], float64, float64[::1], boolean, float64[::1], float64[::1])"
+    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1])",
+    inline="always",
+)
+def _blend(counts, no_return, base, weight, censored, running, out):  # pragma: no cover
+    """`ReusePredictor._distribution`'s cumulative masses of one histogram (`counts`, and
+    `no_return` sessions that never came back) blended with `weight` pseudo-sessions spread
+    like `base`: `life_table` over the gaps still running (`censored`) when `running`, else
+    `cumulative_masses`. The total is summed as `_Histogram.total` then the prior's weight
+    added, as the predictor does."""
+    total = 0.0
+    for c in counts:  # whole counts: exact in any order
+        total += c
+    total = total + no_return + weight
+    if running:
+        life_table(counts, base, weight, total, censored, out)
+    else:
+        cumulative_masses(counts, base, weight, total, out)
+
+
+@compiled(
+    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1],"
+    " float64, float64[::1], boolean, float64[::1])"
 )
 def key_distribution(  # pragma: no cover - compiled
     pooled_counts,
     pooled_no_return,
     prior,
-    prior_no_return,
     weight,
     pooled_censored,
     pooled_running,
@@ -361,32 +380,15 @@ def key_distribution(  # pragma: no cover - compiled
     no_return,
     censored,
     running,
-    pooled_out,
     out,
 ):
-    """`ReusePredictor._distribution` of a key and of the pooled histogram it blends with, in
-    one call (the predictor scores every return against its key's distribution, which the
-    return before changed): the pooled cumulative masses into `pooled_out` (its histogram
-    blended with the prior, `cumulative_masses`, or with the gaps still running,
-    `life_table`, when `pooled_running`), then the key's into `out` over the pooled masses
-    the same way. Totals are whole counts plus the prior's weight, summed as the predictor
-    sums them; the rest is the same kernels."""
-    total = 0.0
-    for c in pooled_counts:  # whole counts: exact in any order
-        total += c
-    total = total + pooled_no_return + weight
-    if pooled_running:
-        life_table(pooled_counts, prior, weight, total, pooled_censored, pooled_out)
-    else:
-        cumulative_masses(pooled_counts, prior, weight, total, pooled_out)
-    base = np.empty(len(pooled_out) - 1)
+    """`ReusePredictor._distribution`'s cumulative masses of a key into `out`, with those of
+    the pooled histogram it blends with, in one call (the predictor scores every return
+    against its key's distribution, which the return before changed): the pooled histogram
+    blended with the prior, then the key's with the pooled masses (`_blend` each)."""
+    pooled = np.empty(len(out))
+    _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, pooled)
+    base = np.empty(len(out) - 1)
     for i in range(len(base)):
-        base[i] = pooled_out[i + 1] - pooled_out[i]
-    total = 0.0
-    for c in counts:
-        total += c
-    total = total + no_return + weight
-    if running:
-        life_table(counts, base, weight, total, censored, out)
-    else:
-        cumulative_masses(counts, base, weight, total, out)
+        base[i] = pooled[i + 1] - pooled[i]
+    _blend(counts, no_return, base, weight, censored, running, out)

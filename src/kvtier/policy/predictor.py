@@ -491,12 +491,11 @@ class ReusePredictor:
         pooled_running = self._censored.get(None)
         running = self._censored.get(key)
         nothing = self._no_bins
-        pooled_out, out = np.empty(len(self.edges)), np.empty(len(self.edges))
+        out = np.empty(len(self.edges))
         key_distribution(
             self._pooled.counts,
             float(self._pooled.no_return),
             self._prior_masses,
-            float(self._prior_no_return),
             float(self.prior.weight),
             nothing if pooled_running is None else pooled_running,
             pooled_running is not None,
@@ -504,7 +503,6 @@ class ReusePredictor:
             float(histogram.no_return),
             nothing if running is None else running,
             running is not None,
-            pooled_out,
             out,
         )
         return out
