@@ -281,3 +281,29 @@ def test_pricing_units_are_runs_of_adjacent_chunks_in_one_tier_cut_at_the_unit(k
     assert (chunk_columns(s, 1) == single).all() and single[:, 5].tolist() == [1] * 10
     # a unit as large as the session still stops where the tier changes
     assert chunk_columns(s, 64)[:, 5].tolist() == [5, 3, 2]
+
+
+def test_candidates_keys_are_grouped_as_their_views_say_through_keys_coming_and_going(kv):
+    """Each candidate's key, read back from the groups, is its view's `reuse_key`, and the
+    groups are in order of first appearance; keys no live session has are compacted away
+    without mixing up the ones still in use."""
+    rng = random.Random(7)
+    table, seen = SessionTable(), ViewDiff()
+    sessions: dict[str, object] = {}
+    ever: set[tuple[str, str]] = set()
+    for step in range(100):
+        # 30 new sessions per step, half of a key of their own and half of a shared one;
+        # only the last 90 stay
+        for i in range(30):
+            sid = f"s{step:02d}-{i:02d}"
+            app = f"own{step}-{i}" if i % 2 else f"app{rng.randrange(8)}"
+            sessions[sid] = kv.session(sid, 512, app_class=app)
+            ever.add(sessions[sid].reuse_key)
+        for sid in sorted(sessions)[:-90]:
+            del sessions[sid]
+        v = kv.view(list(sessions.values()), CAPACITY)
+        found = table.sync(v, seen.update(v.sessions), 10.0)
+        keys = [s.reuse_key for s in found.sessions]
+        assert [found.keys.distinct[i] for i in found.keys.at] == keys
+        assert found.keys.distinct == list(dict.fromkeys(keys))
+    assert len(ever) > 1400 and len(table._keys) < 1024 + 2 * 90 + 30  # it was compacted

@@ -67,10 +67,10 @@ from kvtier.policy.kernels import (
     life_table,
     row_chances,
 )
+from kvtier.policy.key_codes import Key, KeyGroups
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
-Key = tuple[str, str]  # (tenant, app_class)
 # where times fall in the bins: each one's bin, its share of the way through it, past the end
 Located = tuple[np.ndarray, np.ndarray, np.ndarray]
 _REUSE_KEY = attrgetter("reuse_key")
@@ -313,30 +313,28 @@ class ReusePredictor:
     def cdf_table(
         self,
         sessions: Sequence[SessionView],
-        keys: Sequence[Key] | None = None,
+        keys: KeyGroups | None = None,
         ids: Sequence[str] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(distributions, which one each session has): the distinct cumulative gap masses
         at the bin edges, one row per key the sessions have and one per session blended with
         its own gaps (`personal`), and each session's row. Sessions sharing a row share every
         prediction made from it, so a caller can compute those once. `keys` and `ids`, when
-        given, are the sessions' `reuse_key`s and ids (a caller that keeps them saves reading
-        them from every view)."""
+        given, are the sessions' `reuse_key`s, grouped, and ids (a caller that keeps them
+        saves reading them from every view)."""
         # the keys' rows gathered at once, then the sessions with their own gaps blended in
         # at once: per session only C-level lookups (a decision asks for thousands of rows),
         # and a Python step only for the sessions of keys that use their own gaps
         if not sessions:
             return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
         if keys is None:
-            keys = list(map(_REUSE_KEY, sessions))
-        distinct = dict.fromkeys(keys)
-        which = dict(zip(distinct, range(len(distinct)), strict=True))  # key -> row in `cdfs`
-        cdfs = [self._distribution(key)[0] for key in which]
+            keys = _grouped(list(map(_REUSE_KEY, sessions)))
+        cdfs = [self._distribution(key)[0] for key in keys.distinct]
         weights: list[float] = []
-        for key in which:
+        for key in keys.distinct:
             histogram = self._keys.get(key)
             weights.append(math.inf if histogram is None else histogram.session_weight)
-        at = np.fromiter(map(which.__getitem__, keys), np.int64, len(keys))
+        at = keys.at.copy()  # sessions with their own gaps get rows of their own below
         own_at = np.zeros(0, dtype=np.int64)
         gaps = self._sessions
         if any(weight != math.inf for weight in weights):
@@ -599,6 +597,12 @@ class ReusePredictor:
         lo, hi = edges[i], edges[i + 1]
         share = x / hi if i == 0 else math.log(x / lo) / math.log(hi / lo)
         return float(cdf[i] + (cdf[i + 1] - cdf[i]) * share)
+
+
+def _grouped(keys: list[Key]) -> KeyGroups:
+    distinct = dict.fromkeys(keys)
+    which = dict(zip(distinct, range(len(distinct)), strict=True))  # key -> its index
+    return KeyGroups(list(distinct), np.fromiter(map(which.__getitem__, keys), np.int64, len(keys)))
 
 
 def _from_zero(masses: np.ndarray) -> np.ndarray:

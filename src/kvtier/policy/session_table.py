@@ -32,6 +32,7 @@ import numpy as np
 
 from kvtier.policy.actions import Keep
 from kvtier.policy.kernels import merge_units, stale_rows
+from kvtier.policy.key_codes import KeyCodes, KeyGroups
 from kvtier.policy.past_cutoff import PastChunks, PastCutoff
 from kvtier.policy.view import TIER_RANK, PolicyView, SessionView
 from kvtier.policy.view_diff import Changes
@@ -40,6 +41,8 @@ COLUMNS = 6  # index, tokens, token_start, bytes, tier rank, chunks (a unit's sp
 # with a tolerance, return probabilities this close (absolute) also count as unchanged: a
 # relative tolerance alone would re-price a session whose 1e-6 chance became 2e-6
 Q_FLOOR = 1e-4
+# codes of keys no live session has, kept until they outnumber the live sessions' by this
+KEYS_SLACK = 1024
 
 
 # index, token_end, token_start, bytes: read one attribute over all chunks at a time (a
@@ -112,7 +115,7 @@ class Candidates:
     keeps: Sequence[Keep]  # each session's whole-session Keep
     chunk_keeps: Sequence[dict[int, Keep]]  # each session's per-chunk Keeps made so far
     ids: Sequence[str]  # each session's id
-    keys: Sequence[tuple[str, str]]  # each session's `reuse_key`
+    keys: KeyGroups  # each session's `reuse_key`, grouped
 
 
 def _pick(items: np.ndarray, at: np.ndarray) -> list:
@@ -141,7 +144,10 @@ class SessionTable:
         self._views = np.empty(0, dtype=object)
         self._keeps = np.empty(0, dtype=object)
         self._chunk_keeps = np.empty(0, dtype=object)
-        self._keys = np.empty(0, dtype=object)  # each view's `reuse_key`
+        # each view's `reuse_key` as a small integer: grouping thousands of candidates by key
+        # at every decision is then array passes, not a hash of a tuple per session
+        self._keys = KeyCodes()
+        self._key_code = np.zeros(0, dtype=np.int64)
         self._free: list[int] = []
         self._sorted: list[str] = []  # the session ids of the slots, sorted
         self._order: np.ndarray | None = None  # slots in session-id order; None: to build
@@ -179,6 +185,7 @@ class SessionTable:
         self._weight = grown(get("_weight"), 1.0, float)
         self._loaded = grown(get("_loaded"), False, bool)  # columns are the view's
         self._first = grown(get("_first"), 0, np.int64)
+        self._key_code = grown(get("_key_code"), 0, np.int64)
         self._count = grown(get("_count"), 0, np.int64)
         self._cap = grown(get("_cap"), 0, np.int64)
         self._top = grown(get("_top"), 0.0, float)
@@ -188,7 +195,7 @@ class SessionTable:
         for name in ("_q", "_d", "_prices"):
             if name in self.__dict__:
                 setattr(self, name, grown(get(name), 0.0, float))
-        for name in ("_ids", "_views", "_keeps", "_chunk_keeps", "_keys"):
+        for name in ("_ids", "_views", "_keeps", "_chunk_keeps"):
             items = np.empty(size, dtype=object)  # None-filled
             items[:old] = getattr(self, name)[:old]
             setattr(self, name, items)
@@ -225,7 +232,7 @@ class SessionTable:
 
     def _set(self, slot: int, session: SessionView) -> None:
         self._views[slot] = session
-        self._keys[slot] = session.reuse_key
+        self._key_code[slot] = self._keys.code(session.reuse_key)
         self._pinned[slot] = session.pinned
         self._idle[slot] = session.idle
         self._idle_since[slot] = np.nan if session.idle_since is None else session.idle_since
@@ -307,6 +314,9 @@ class SessionTable:
                 self._add(session)
             else:
                 self._set(slot, session)
+        if len(self._keys) > KEYS_SLACK + 2 * len(self._slot):  # keys of departed sessions
+            live = np.fromiter(self._slot.values(), np.int64, len(self._slot))
+            self._key_code[live] = self._keys.compact(self._key_code[live])
         return self._candidates(now)
 
     def _candidates(self, now: float) -> Candidates:
@@ -337,7 +347,7 @@ class SessionTable:
             keeps=_pick(self._keeps, order),
             chunk_keeps=_pick(self._chunk_keeps, order),
             ids=_pick(self._ids, order),
-            keys=_pick(self._keys, order),
+            keys=self._keys.groups(self._key_code[order]),
         )
 
     def past_cutoff(self) -> PastCutoff:
