@@ -3,7 +3,9 @@ passes over a real decision's inputs (the table, schedules and prices the policy
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import random
 
 import numpy as np
@@ -11,7 +13,8 @@ import pytest
 
 from kvtier.policy.cost_model import Prices
 from kvtier.policy.cost_policy import CostPolicy, _chunk_table
-from kvtier.policy.kernels import MAX_TIERS, induction, upgrade
+from kvtier.policy.kernels import MAX_TIERS, induction, pairwise_sum, upgrade
+from kvtier.policy.predictor import SESSION_WEIGHTS
 from kvtier.policy.view import TIER_RANK
 from kvtier.policy.view_diff import ViewDiff
 
@@ -251,20 +254,92 @@ def test_compiled_life_table_equals_the_numpy_passes(kv):
         assert got_none == no_return and 0.0 < no_return < 1.0
 
 
-def test_a_return_is_scored_against_the_distribution_the_predictor_would_give(kv):
-    # `_scored_against` builds the key's and the pooled distributions in one compiled call:
-    # bit for bit `_distribution`'s, with and without gaps running, and for a key never seen
+def _numpy_mine(predictor, gaps):
+    """A session's own gaps as cumulative counts at the bin edges, in the numpy passes
+    `kernels.own_cumulative` replaced after the convolution."""
+    counts = np.bincount(np.array(gaps, dtype=int), minlength=len(predictor.edges) - 1)
+    full = np.convolve(counts.astype(float), predictor._kernel)
+    half = predictor._kernel_half
+    spread = full[half:-half]
+    spread[0] += full[:half].sum()
+    spread[-1] += full[-half:].sum()
+    return np.concatenate([[0.0], np.cumsum(spread)])
+
+
+def _python_score(predictor, key, gaps, gap_s):
+    """The scores one outcome adds, as `ReusePredictor._score` computed them in Python before
+    `kernels.score_return`: the key's distribution (the pooled one for a key not seen),
+    blended with the session's own gaps at each candidate weight, at the edges the outcome
+    touches."""
+    known = key in predictor._keys
+    cdf = predictor._distribution(key if known else None)[0]
+    late = gap_s >= predictor.max_age_s
+    at = (-1,) if late else (predictor._bin(gap_s), predictor._bin(gap_s) + 1)
+    key_at = [float(cdf[i]) for i in at]
+    mine = _numpy_mine(predictor, gaps)
+    mine_at = [float(mine[i]) for i in at]
+    added = []
+    for weight in SESSION_WEIGHTS:
+        if weight == math.inf:
+            blended = key_at
+        else:
+            pairs = zip(mine_at, key_at, strict=True)
+            blended = [(m + weight * c) / (len(gaps) + weight) for m, c in pairs]
+        p = 1.0 - blended[0] if late else blended[1] - blended[0]
+        added.append(math.log(max(p, 1e-12)))
+    return added
+
+
+def test_a_return_is_scored_as_the_python_passes_scored_it(kv):
+    # one compiled call per return (`kernels.score_return`): bit for bit the scores the
+    # Python arithmetic gave, for known keys and one never seen, returns and no-returns,
+    # with and without gaps running
     rng = np.random.default_rng(8)
     predictor = CostPolicy(kv.slow_model()).predictor
     keys = [("t", "chat"), ("t", "api")]
-    for step in range(200):
-        predictor.record_gap(keys[step % 2], float(rng.exponential(60.0)), f"s{step % 7}")
-    for running in ({}, {keys[0]: rng.uniform(0, 3000, 50)}):
-        predictor.censor(running)
-        for key in (*keys, ("t", "unseen")):
-            want = predictor._distribution(key)[0]
-            assert predictor._scored_against(key).tobytes() == want.tobytes(), key
-    assert predictor._censored  # the second round had gaps running
+    checked = 0
+    for step in range(400):
+        if step == 200:  # gaps running, also of keys not seen yet (scored as the pooled)
+            running = {keys[0]: rng.uniform(0, 3000, 50), keys[1]: rng.uniform(0, 9, 5)}
+            running |= {("t", f"new{s}"): rng.uniform(0, 600, 20) for s in range(249, 400, 50)}
+            predictor.censor(running)
+        key = ("t", f"new{step}") if step % 50 == 49 else keys[step % 2]
+        session = f"s{step % 7}"
+        gap = float(rng.exponential(60.0)) if step % 9 else 5000.0  # past the cut-off: late
+        own = predictor._sessions.get(session)
+        histogram = predictor._keys.get(key)
+        before = histogram.scores.copy() if histogram is not None else np.zeros(4)
+        want = _python_score(predictor, key, list(own), gap) if own else None
+        if gap < predictor.max_age_s:
+            predictor.record_gap(key, gap, session)
+        else:
+            predictor.record_no_return(key, session)
+        if want is not None:
+            got = predictor._keys[key].scores
+            assert got.tobytes() == (before + np.array(want)).tobytes(), step
+            checked += 1
+    assert checked > 300 and predictor._censored
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_own_gaps_are_folded_and_summed_as_numpy_did(kv, seed):
+    rng = np.random.default_rng(seed)
+    predictor = CostPolicy(kv.slow_model()).predictor
+    bins = len(predictor.edges) - 1
+    for _ in range(200):
+        gaps = rng.integers(0, bins, rng.integers(1, 9)).tolist()
+        # near the ends too, where the kernel's tails are folded back
+        gaps += rng.choice([0, 1, bins - 2, bins - 1], rng.integers(0, 3)).tolist()
+        predictor._sessions["s"] = collections.deque(gaps)
+        predictor._own.clear()
+        assert predictor._mine("s").tobytes() == _numpy_mine(predictor, gaps).tobytes()
+
+
+def test_pairwise_sum_is_numpys_sum():
+    rng = np.random.default_rng(3)
+    for n in [*range(0, 300), 1000, 4099]:
+        a = rng.standard_normal(n + 5) * 10.0 ** rng.integers(-8, 8, n + 5)
+        assert pairwise_sum(a, 3, n) == a[3 : 3 + n].sum(), n
 
 
 def _numpy_units(out, counts, unit):

@@ -30,10 +30,13 @@ each session's return chances off its distribution once numpy has located the ti
 bins (the logarithms stay numpy's: numba's `log` differs from it in the last bit on a few
 inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons, `merge_units`
 the merging of a session's chunks into pricing units (sums of whole numbers), and
-`key_distribution` a key's distribution with the pooled one it blends with, in one call, to
-score each return against (`ReusePredictor._scored_against`). Each does the
-same operations on the same numbers as the numpy passes it replaced, which the tests keep
-beside them.
+`score_return` the scoring of each return the predictor learns from (`ReusePredictor._score`),
+one call where there were a dozen: the key's distribution with the pooled one it blends with
+(`key_distribution`), the session's own gaps folded and summed (`own_cumulative`, which
+`_mine` shares; numpy's `sum` is `pairwise_sum`) and a logarithm per candidate weight. Their
+convolution stays numpy's, whose dot products sum in BLAS's order. Each does the same
+operations on the same numbers as the numpy passes it replaced, which the tests keep beside
+them.
 
 They are compiled when this module is first imported, from numba's on-disk cache after the first
 time in an environment (next to this file, or numba's per-user directory when that is not
@@ -41,6 +44,8 @@ writable), so no decision waits for the compiler.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -392,3 +397,122 @@ def key_distribution(  # pragma: no cover - compiled
     for i in range(len(base)):
         base[i] = pooled[i + 1] - pooled[i]
     _blend(counts, no_return, base, weight, censored, running, out)
+
+
+@compiled("float64(float64[::1], int64, int64)")
+def pairwise_sum(a, start, n):  # pragma: no cover - compiled
+    """numpy's sum of `a[start:start + n]` (contiguous float64): its pairwise summation, in
+    eight partial sums below 128 elements and halves above, so the same bits as `.sum()`."""
+    if n < 8:
+        res = 0.0
+        for i in range(start, start + n):
+            res += a[i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[start], a[start + 1], a[start + 2], a[start + 3]
+        r4, r5, r6, r7 = a[start + 4], a[start + 5], a[start + 6], a[start + 7]
+        i = 8
+        while i < n - (n % 8):
+            at = start + i
+            r0 += a[at]
+            r1 += a[at + 1]
+            r2 += a[at + 2]
+            r3 += a[at + 3]
+            r4 += a[at + 4]
+            r5 += a[at + 5]
+            r6 += a[at + 6]
+            r7 += a[at + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[start + i]
+            i += 1
+        return res
+    half = n // 2
+    half -= half % 8
+    return pairwise_sum(a, start, half) + pairwise_sum(a, start + half, n - half)
+
+
+@compiled("void(float64[::1], int64, float64[::1])")
+def own_cumulative(smoothed, half, out):  # pragma: no cover - compiled
+    """`ReusePredictor._mine` after its convolution: the mass `smoothed` (the full
+    convolution of a session's gap counts with the kernel of half-width `half`) puts past
+    either end folded back onto the end bins, then the running sum after a leading 0, into
+    `out`. The same sums as numpy's (`pairwise_sum`, then left to right as `np.cumsum`)."""
+    bins = len(smoothed) - 2 * half
+    total = 0.0
+    out[0] = 0.0
+    for i in range(bins):
+        mass = smoothed[half + i]
+        if i == 0:
+            mass += pairwise_sum(smoothed, 0, half)
+        if i == bins - 1:
+            mass += pairwise_sum(smoothed, half + bins, half)
+        total += mass
+        out[i + 1] = total
+
+
+@compiled(
+    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1],"
+    " float64, float64[::1], boolean, boolean, float64[::1], int64, int64, int64, boolean,"
+    " float64[::1], float64[::1])"
+)
+def score_return(  # pragma: no cover - compiled
+    pooled_counts,
+    pooled_no_return,
+    prior,
+    weight,
+    pooled_censored,
+    pooled_running,
+    counts,
+    no_return,
+    censored,
+    running,
+    known,
+    smoothed,
+    half,
+    gaps,
+    at,
+    late,
+    weights,
+    scores,
+):
+    """`ReusePredictor._score` of one outcome, in one call: add to each candidate session
+    weight's score the log of the chance it gave the outcome, a return in bin `at` (or none,
+    `late`), under the key's distribution (`key_distribution` of the first ten arguments;
+    the pooled one where the key is not `known`) blended with the session's own `gaps` gaps
+    (`own_cumulative` of `smoothed` and `half`) at that weight (inf: the key's alone). The
+    same operations in the same order as the Python it replaced, and the logarithm is the C
+    library's, as Python's `math.log`."""
+    n = len(prior) + 1
+    key = np.empty(n)
+    if known:
+        key_distribution(
+            pooled_counts,
+            pooled_no_return,
+            prior,
+            weight,
+            pooled_censored,
+            pooled_running,
+            counts,
+            no_return,
+            censored,
+            running,
+            key,
+        )
+    else:
+        _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, key)
+    mine = np.empty(n)
+    own_cumulative(smoothed, half, mine)
+    lo = n - 1 if late else at
+    hi = n - 1 if late else at + 1
+    for i in range(len(weights)):
+        w = weights[i]
+        if w == math.inf:
+            k_lo, k_hi = key[lo], key[hi]
+        else:
+            k_lo = (mine[lo] + w * key[lo]) / (gaps + w)
+            k_hi = (mine[hi] + w * key[hi]) / (gaps + w)
+        p = 1.0 - k_lo if late else k_hi - k_lo
+        floor = 1e-12
+        scores[i] += math.log(floor if floor > p else p)

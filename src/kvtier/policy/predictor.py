@@ -63,9 +63,10 @@ import numpy as np
 from kvtier.policy.kernels import (
     cumulative_masses,
     grid_chances,
-    key_distribution,
     life_table,
+    own_cumulative,
     row_chances,
+    score_return,
 )
 from kvtier.policy.key_codes import Key, KeyGroups
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
@@ -168,6 +169,7 @@ class ReusePredictor:
         half = max(1, math.ceil(3 * RHYTHM_SD / width))
         kernel = np.exp(-0.5 * (np.arange(-half, half + 1) * width / RHYTHM_SD) ** 2)
         self._kernel, self._kernel_half = kernel / kernel.sum(), half
+        self._weights = np.array(SESSION_WEIGHTS)
 
     def record_gap(self, key: Key, gap_s: float, session_id: str | None = None) -> None:
         """A session of `key` came back `gap_s` seconds after its previous turn ended."""
@@ -424,17 +426,17 @@ class ReusePredictor:
         another gap."""
         found = self._own.get(session_id)
         if found is None:
-            own = self._sessions[session_id]
-            counts = np.bincount(np.fromiter(own, int), minlength=len(self.edges) - 1)
-            # a few gaps say "about this long", not "in exactly this bin": each is spread over
-            # its neighbours in log(gap) (mass falling off either end is put back on the ends)
-            full = np.convolve(counts.astype(float), self._kernel)
-            half = self._kernel_half
-            spread = full[half:-half]
-            spread[0] += full[:half].sum()
-            spread[-1] += full[-half:].sum()
-            found = self._own[session_id] = _from_zero(spread)
+            found = self._own[session_id] = np.empty(len(self.edges))
+            own_cumulative(self._smoothed(self._sessions[session_id]), self._kernel_half, found)
         return found
+
+    def _smoothed(self, gaps: deque[int]) -> np.ndarray:
+        """A few gaps say "about this long", not "in exactly this bin": each is spread over its
+        neighbours in log(gap), the full convolution of the counts with the kernel (the mass
+        falling off either end is put back on the ends by `kernels.own_cumulative`). numpy's
+        convolution, as its dot products sum in BLAS's order."""
+        counts = np.bincount(np.fromiter(gaps, int), minlength=len(self.edges) - 1)
+        return np.convolve(counts.astype(float), self._kernel)
 
     def _bin(self, gap_s: float) -> int:
         # `searchsorted(edges, gap, side="right")` on a list: one call per returning turn
@@ -453,44 +455,20 @@ class ReusePredictor:
 
     def _score(self, key: Key, session_id: str, gap_s: float) -> None:
         """Add to each candidate weight's total the log likelihood it gave this outcome (a
-        return in the gap's bin, or none), before learning from it."""
+        return in the gap's bin, or none), before learning from it: under the key's
+        distribution, which the return before changed (through the pooled histogram too), so
+        there is nothing to cache, blended with the session's own gaps at each weight, at the
+        edges the outcome touches. One compiled call (`kernels.score_return`)."""
         own = self._sessions.get(session_id)
         if not own:
             return  # every candidate predicts the same for a session without gaps
-        cdf = self._scored_against(key)
         late = gap_s >= self.max_age_s
-        b = 0 if late else self._bin(gap_s)
+        known = key in self._keys  # else scored against the pooled distribution
         histogram = self._histogram(key)
-        # only the blended masses at the edges the outcome touches: the blend of `cdf_rows`
-        # on those elements alone (the same operations, so the same numbers)
-        at = (-1,) if late else (b, b + 1)
-        key_at = [float(cdf[i]) for i in at]
-        mine = self._mine(session_id)
-        mine_at = [float(mine[i]) for i in at]
-        for i, weight in enumerate(SESSION_WEIGHTS):
-            if weight == math.inf:
-                blended = key_at
-            else:
-                blended = [
-                    (m + weight * c) / (len(own) + weight)
-                    for m, c in zip(mine_at, key_at, strict=True)
-                ]
-            p = 1.0 - blended[0] if late else blended[1] - blended[0]
-            histogram.scores[i] += math.log(max(p, 1e-12))
-
-    def _scored_against(self, key: Key) -> np.ndarray:
-        """`_distribution(key)`'s cumulative masses, in one compiled call for a known key
-        (`kernels.key_distribution`: the same operations, so the same bits). Every return is
-        scored against its key's distribution, which the return before changed (through the
-        pooled histogram too), so there is nothing to cache."""
-        histogram = self._keys.get(key)
-        if histogram is None:
-            return self._distribution(None)[0]
         pooled_running = self._censored.get(None)
         running = self._censored.get(key)
         nothing = self._no_bins
-        out = np.empty(len(self.edges))
-        key_distribution(
+        score_return(
             self._pooled.counts,
             float(self._pooled.no_return),
             self._prior_masses,
@@ -501,9 +479,15 @@ class ReusePredictor:
             float(histogram.no_return),
             nothing if running is None else running,
             running is not None,
-            out,
+            known,
+            self._smoothed(own),
+            self._kernel_half,
+            len(own),
+            0 if late else self._bin(gap_s),
+            late,
+            self._weights,
+            histogram.scores,
         )
-        return out
 
     def _cdf_many(
         self, cdf: np.ndarray, x: np.ndarray, rows: np.ndarray | None = None
