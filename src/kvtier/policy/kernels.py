@@ -31,8 +31,8 @@ bins (the logarithms stay numpy's: numba's `log` differs from it in the last bit
 inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons, `merge_units`
 the merging of a session's chunks into pricing units (sums of whole numbers), and
 `score_return` the scoring of each return the predictor learns from (`ReusePredictor._score`),
-one call where there were a dozen: the key's distribution with the pooled one it blends with
-(`key_distribution`), the session's own gaps folded and summed (`own_cumulative`, which
+one call where there were a dozen: the key's distribution with the pooled one it blends with,
+the session's own gaps folded and summed (`own_cumulative`, which
 `_mine` shares; numpy's `sum` is `pairwise_sum`) and a logarithm per candidate weight. Their
 convolution stays numpy's, whose dot products sum in BLAS's order. Each does the same
 operations on the same numbers as the numpy passes it replaced, which the tests keep beside
@@ -370,35 +370,6 @@ def _blend(counts, no_return, base, weight, censored, running, out):  # pragma: 
         cumulative_masses(counts, base, weight, total, out)
 
 
-@compiled(
-    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1],"
-    " float64, float64[::1], boolean, float64[::1])"
-)
-def key_distribution(  # pragma: no cover - compiled
-    pooled_counts,
-    pooled_no_return,
-    prior,
-    weight,
-    pooled_censored,
-    pooled_running,
-    counts,
-    no_return,
-    censored,
-    running,
-    out,
-):
-    """`ReusePredictor._distribution`'s cumulative masses of a key into `out`, with those of
-    the pooled histogram it blends with, in one call (the predictor scores every return
-    against its key's distribution, which the return before changed): the pooled histogram
-    blended with the prior, then the key's with the pooled masses (`_blend` each)."""
-    pooled = np.empty(len(out))
-    _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, pooled)
-    base = np.empty(len(out) - 1)
-    for i in range(len(base)):
-        base[i] = pooled[i + 1] - pooled[i]
-    _blend(counts, no_return, base, weight, censored, running, out)
-
-
 @compiled("float64(float64[::1], int64, int64)")
 def pairwise_sum(a, start, n):  # pragma: no cover - compiled
     """numpy's sum of `a[start:start + n]` (contiguous float64): its pairwise summation, in
@@ -479,29 +450,23 @@ def score_return(  # pragma: no cover - compiled
 ):
     """`ReusePredictor._score` of one outcome, in one call: add to each candidate session
     weight's score the log of the chance it gave the outcome, a return in bin `at` (or none,
-    `late`), under the key's distribution (`key_distribution` of the first ten arguments;
-    the pooled one where the key is not `known`) blended with the session's own `gaps` gaps
-    (`own_cumulative` of `smoothed` and `half`) at that weight (inf: the key's alone). The
-    same operations in the same order as the Python it replaced, and the logarithm is the C
-    library's, as Python's `math.log`."""
+    `late`), under the key's distribution (of the first ten arguments, as the predictor
+    builds it; the pooled one where the key is not `known`) blended with the session's own
+    `gaps` gaps (`own_cumulative` of `smoothed` and `half`) at that weight (inf: the key's
+    alone). The same operations in the same order as the Python it replaced, and the
+    logarithm is the C library's, as Python's `math.log`."""
     n = len(prior) + 1
-    key = np.empty(n)
+    # `ReusePredictor._distribution`'s: the pooled histogram blended with the prior, then
+    # the key's with the pooled masses (`_blend` each)
+    pooled = np.empty(n)
+    _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, pooled)
+    key = pooled
     if known:
-        key_distribution(
-            pooled_counts,
-            pooled_no_return,
-            prior,
-            weight,
-            pooled_censored,
-            pooled_running,
-            counts,
-            no_return,
-            censored,
-            running,
-            key,
-        )
-    else:
-        _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, key)
+        base = np.empty(n - 1)
+        for i in range(n - 1):
+            base[i] = pooled[i + 1] - pooled[i]
+        key = np.empty(n)
+        _blend(counts, no_return, base, weight, censored, running, key)
     mine = np.empty(n)
     own_cumulative(smoothed, half, mine)
     lo = n - 1 if late else at
