@@ -19,6 +19,13 @@ class KeyGroups:
     at: np.ndarray
 
 
+def group_keys(keys: list[Key]) -> KeyGroups:
+    """The `KeyGroups` of sessions with these keys, for a caller that keeps no codes."""
+    distinct = dict.fromkeys(keys)
+    which = dict(zip(distinct, range(len(distinct)), strict=True))  # key -> its index
+    return KeyGroups(list(distinct), np.fromiter(map(which.__getitem__, keys), np.int64, len(keys)))
+
+
 class KeyCodes:
     """Key <-> code, codes from 0 up in order of first sight. Codes are never reused, so a
     caller that keeps them bounds the table with `compact` when keys come and go."""

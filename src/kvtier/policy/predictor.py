@@ -68,7 +68,7 @@ from kvtier.policy.kernels import (
     row_chances,
     score_return,
 )
-from kvtier.policy.key_codes import Key, KeyGroups
+from kvtier.policy.key_codes import Key, KeyGroups, group_keys
 from kvtier.policy.tracker import Abandoned, Returned, SessionEvent
 from kvtier.policy.view import SessionView
 
@@ -330,7 +330,7 @@ class ReusePredictor:
         if not sessions:
             return np.empty((0, len(self.edges))), np.zeros(0, dtype=np.int64)
         if keys is None:
-            keys = _grouped(list(map(_REUSE_KEY, sessions)))
+            keys = group_keys(list(map(_REUSE_KEY, sessions)))
         cdfs = [self._distribution(key)[0] for key in keys.distinct]
         weights: list[float] = []
         for key in keys.distinct:
@@ -562,8 +562,8 @@ class ReusePredictor:
             total = histogram.total + weight
             cdf = np.empty(len(base) + 1)
             if censored is None:  # `censor` keeps only keys with a gap running
-                # _from_zero((counts + weight * base) / total), compiled: rebuilt after every
-                # return
+                # the running sum, after a 0, of (counts + weight * base) / total, compiled:
+                # rebuilt after every return
                 cumulative_masses(histogram.counts, base, float(weight), total, cdf)
                 no_return = (histogram.no_return + weight * base_none) / total
             else:
@@ -581,21 +581,6 @@ class ReusePredictor:
         lo, hi = edges[i], edges[i + 1]
         share = x / hi if i == 0 else math.log(x / lo) / math.log(hi / lo)
         return float(cdf[i] + (cdf[i + 1] - cdf[i]) * share)
-
-
-def _grouped(keys: list[Key]) -> KeyGroups:
-    distinct = dict.fromkeys(keys)
-    which = dict(zip(distinct, range(len(distinct)), strict=True))  # key -> its index
-    return KeyGroups(list(distinct), np.fromiter(map(which.__getitem__, keys), np.int64, len(keys)))
-
-
-def _from_zero(masses: np.ndarray) -> np.ndarray:
-    """The cumulative sums of `masses` after a leading 0: `concatenate([[0], cumsum(masses)])`
-    with one array made (a distribution is rebuilt after every recorded gap)."""
-    out = np.empty(len(masses) + 1)
-    out[0] = 0.0
-    np.cumsum(masses, out=out[1:])
-    return out
 
 
 def _contiguous(found: Located) -> Located:
