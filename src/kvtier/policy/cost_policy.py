@@ -440,11 +440,12 @@ class CostPolicy(RetentionPolicy):
         stay = min(max(kept / rate, self.horizon_s), end) if rate > 0 else end
         # over the schedule from the exact idle time (not the stepped one the induction
         # prices): sessions in one age bin would tie, and age orders them
-        sessions = np.unique(table.row_session[rows])
+        of_rows = table.row_session[rows]  # ascending, as `rows` are: runs of one session
+        sessions = of_rows[np.flatnonzero(np.diff(of_rows, prepend=-1))]
         cdf, which = table.distributions
         back = np.zeros(len(table.sessions))
         back[sessions] = self._back_within(cdf, which[sessions], table.idle[sessions], stay)
-        back = back[table.row_session[rows]]
+        back = back[of_rows]
         size = np.maximum(table.size[rows], 1)
         saving = np.zeros(len(rows))
         for j in np.unique(lower).tolist():
