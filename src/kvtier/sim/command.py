@@ -306,17 +306,19 @@ def _names(text: str) -> list[str]:
 
 
 def _requests(args: argparse.Namespace) -> list[Request]:
+    from kvtier.sim.quiet_gc import without_cyclic_gc
     from kvtier.workload.model import flatten
     from kvtier.workload.source import load_workload
 
-    requests = flatten(
-        load_workload(
-            args.workload,
-            settings=args.workload_set,
-            trace_format=args.trace_format,
-            seed=args.seed,
+    with without_cyclic_gc():  # a large workload is millions of objects that all live on
+        requests = flatten(
+            load_workload(
+                args.workload,
+                settings=args.workload_set,
+                trace_format=args.trace_format,
+                seed=args.seed,
+            )
         )
-    )
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
     if args.lengths_from:
