@@ -19,7 +19,8 @@ from kvtier.policy.ledger import form_bytes
 from kvtier.policy.view import PolicyView, SessionView
 from kvtier.policy.view_diff import diff
 from kvtier.results.report import to_document
-from kvtier.sim.simulator import GC_YOUNG_THRESHOLD, simulate
+from kvtier.sim.quiet_gc import GC_YOUNG_THRESHOLD
+from kvtier.sim.simulator import simulate
 from kvtier.sim.step_model import StepModel
 from kvtier.workload.generator import generate
 from kvtier.workload.model import flatten

@@ -13,7 +13,6 @@ tier occupancy is sampled then.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections import Counter
@@ -35,16 +34,12 @@ from kvtier.results.records import (
 )
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.events import EventLoop
+from kvtier.sim.quiet_gc import relaxed_during_run
 from kvtier.sim.replica import Replica
 from kvtier.sim.step_model import StepModel
 from kvtier.workload.model import Request
 
 MAX_OCCUPANCY_SAMPLES = 1000  # thinned evenly beyond this, to keep result files small
-# Allocations between young-generation collections while the event loop runs (Python's default
-# is 700). A simulation allocates millions of short-lived objects (views, actions, records) that
-# reference counting frees; few form cycles, so at the default the collector mostly walks live
-# objects for nothing (on a Mooncake trace slice it was about a sixth of the run's CPU time).
-GC_YOUNG_THRESHOLD = 100_000
 
 
 @dataclass
@@ -139,7 +134,8 @@ def simulate(
                 loop.at(request.arrival_s - origin, arrive, request)
     if requests:
         loop.at(config.interval_s, tick)
-    _run_quietly(loop)
+    with relaxed_during_run():  # the collector mostly out of the way (`quiet_gc`)
+        loop.run()
 
     for replica in replicas:
         replica.record_stalls()
@@ -159,20 +155,6 @@ def simulate(
     wall_s = time.perf_counter() - started
     scored = calibration if calibration.resolved else None
     return SimResult(run, loop.processed, steps, wall_s, policy_s, scored, _forms(replicas))
-
-
-def _run_quietly(loop: EventLoop) -> None:
-    """Run `loop` with the cyclic garbage collector mostly out of the way: what exists before
-    the run (the workload, its requests) is frozen, so collections do not walk it again, and
-    young collections run every `GC_YOUNG_THRESHOLD` allocations. Both are restored after."""
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
-    try:
-        loop.run()
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
 
 
 def _policy(
