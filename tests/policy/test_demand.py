@@ -115,6 +115,50 @@ def test_idle_kv_is_demoted_ahead_of_forecast_arrivals(kv):
     assert after.tier("device").free_bytes >= 8192 * kv.BYTES_PER_TOKEN
 
 
+def test_a_pressure_decision_also_frees_the_space_forecast_arrivals_will_need(kv):
+    """The engine asks for the space one request needs now; arrivals forecast before the next
+    decision bid for more, as on the timer. Freeing only the need would call the policy again
+    at the next arrival, and the waiting request does not wait for the rest: chunks free their
+    space one by one as their copies land, the need's first."""
+    policy = CostPolicy(kv.slow_model())
+    context = 8192 * kv.BYTES_PER_TOKEN
+    idle = [kv.session(f"s{i}", 8192, idle_since=0.0) for i in range(9)]
+    capacity = {"device": 10 * context, "host": 200 * GB}
+    now = 0.0
+    for i in range(10):  # long new conversations every 2 s, each finished before the next
+        now = 300.0 + 2.0 * i
+        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
+        policy.decide(kv.view([*idle, arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    need = 2 * context  # one context is free: the request needs one more
+    v = kv.view(idle, capacity, bytes_needed=need)
+    actions = policy.decide(v, now + 1.0)
+    after = kv.apply(v, actions)
+    assert after.tier("device").free_bytes >= need + context
+    assert not kv.dropped(actions)  # offloaded: host has room and a load beats a recompute
+
+
+def test_under_pressure_kv_past_the_cut_off_is_dropped_up_to_the_shortage_and_demoted_beyond(kv):
+    """A device full of a session idle past the cut-off and one that may return, asked for
+    400 MB while arrivals are forecast: the old session gives the space, leading chunks first.
+    What the waiting request needs is dropped (it would wait for the copies); what the policy
+    frees beyond it for the arrivals goes to host, since nobody waits for it."""
+    policy = CostPolicy(kv.slow_model(), pricing_chunks=1)  # counts chunks
+    now = 0.0
+    for i in range(10):  # long new conversations every 2 s, each finished before the next
+        now = 3630.0 + 2.0 * i
+        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
+        policy.decide(kv.view([arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
+    device = sum(c.size_bytes for s in (old, young) for c in s.chunks)
+    v = kv.view([old, young], {"device": device, "host": 200 * GB}, bytes_needed=400 * 10**6)
+    where = kv.placement(v, policy.decide(v, now + 1.0))
+    size = old.chunks[0].size_bytes
+    dropped = [c.index for c in old.chunks if where["old", c.index] is None]
+    demoted = [c.index for c in old.chunks if where["old", c.index] == "host"]
+    assert dropped == list(range(-(-400 * 10**6 // size)))  # just the shortage, from the front
+    assert demoted and demoted == list(range(len(dropped), len(dropped) + len(demoted)))
+
+
 def test_the_device_keeps_the_session_due_back_within_the_time_its_space_stays_free(kv):
     """Arrivals of one 8K context every 30 s need one of two idle 8K sessions' space. `docqa`
     always comes back 15-30 s after a turn, so it is never back within the next 5 s; `chat`

@@ -44,7 +44,9 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 (`demand.DemandForecast`): the k-th free byte is worth P(arrivals > k) times the seconds per
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
-first and nothing else bids (the engine asks for what it needs now). The bids set how much
+first and the forecast arrivals bid for more, as on the timer: freeing only the need would
+call the policy again at the next arrival, and the waiting request does not wait for the
+rest (the engine frees each chunk's space as its copy lands). The bids set how much
 space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
 arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
 P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
@@ -205,7 +207,9 @@ class CostPolicy(RetentionPolicy):
         table = self._priced_table(view, candidates, chunks, now, movable)
         placed, room = self._allocate(view, table, movable, now)
         # what the priced chunks leave is for the sessions past the cut-off, newest idle first
-        evicted = past_cutoff.evict(past, room, table.tiers, self.model, self.forms, view.pressure)
+        evicted = past_cutoff.evict(
+            past, room, table.tiers, self.model, self.forms, view.device_shortage()
+        )
         return _actions(
             table, placed, self.forms, candidates.keeps, candidates.chunk_keeps, evicted
         )
@@ -395,14 +399,13 @@ class CostPolicy(RetentionPolicy):
         wait one more. Arrivals forecast before the next decision bid for slices of space: the
         slice beyond k is worth P(demand > k) times the seconds per byte of spilling to the
         first lower tier when they come (without a lower tier a spill is a drop, which the
-        chunk's own value already prices)."""
+        chunk's own value already prices). Under pressure the engine's ask (`bytes_needed`,
+        set aside first) is for the request it cannot admit, and the forecast bids for what
+        comes after it: freeing only the ask would call the policy again at the next
+        admission."""
         sizes: list[float] = []
         bids: list[float] = []
-        if view.pressure:
-            # the engine asks for what the queue needs now (`bytes_needed`, set aside first):
-            # spilling more would only delay the request that waits for this spill
-            return np.array(sizes), np.array(bids)
-        if view.waiting_bytes:
+        if view.waiting_bytes and not view.pressure:
             # with a queue, the next interval's admissions are the requests already waiting:
             # arrivals join the queue behind them, so the forecast would count them twice
             sizes.append(float(view.waiting_bytes))

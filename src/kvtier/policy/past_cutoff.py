@@ -9,10 +9,11 @@ evicted when space is needed, oldest idle first (within a session, leading chunk
 are the cheapest to recompute). An evicted chunk goes to the next tier down with room left,
 like `offload`'s cascade, where it joins that tier's own such chunks in the same idle order;
 it skips a tier it is cheaper to recompute than to load from (its remaining value there is
-none), and is dropped past the last one. Evicted from the device under pressure it is dropped
-at once: the request that asked for the space waits for every copy off the device, and the
-model gives such a chunk no chance of saving anything to set against that wait (on the timer
-nobody waits, so it is demoted).
+none), and is dropped past the last one. Under pressure the oldest of those evicted from the
+device, up to the device's shortage, are dropped at once: the request that asked for the space
+waits until that much is off the device, and the model gives such a chunk no chance of saving
+anything to set against that wait. The rest (space the policy frees beyond the shortage, for
+arrivals it forecasts) are demoted as on the timer, when nobody waits.
 
 These sessions are not priced: the policy's work per decision stays with the sessions that
 may still return, however many sessions an ample pool has seen. They are kept in idle-since
@@ -64,11 +65,12 @@ def evict(
     tiers: Sequence[str],
     model: CostModel,
     forms: FormChooser | None,
-    pressure: bool = False,
+    shortage: float = 0.0,
 ) -> tuple[list[Action], list[tuple[int, Action]]]:
     """(drops, moves keyed by minus their source tier's rank) that fit `past`'s chunks in the
     `room` each tier has left once the priced chunks are placed (see the module docstring).
-    Nothing when every tier has room for the chunks it holds."""
+    The oldest device evictions up to `shortage` bytes (what a waiting request needs freed)
+    are dropped. Nothing when every tier has room for the chunks it holds."""
     held = past.held(tiers)
     if all(held[tier] <= room[tier] for tier in tiers):
         return [], []
@@ -95,8 +97,11 @@ def evict(
         evicted = candidates[: len(candidates) - stay]
         target[candidates[len(candidates) - stay :]] = j
         target[evicted] = -1
-        if pressure and tier == DEVICE:
-            continue  # the waiting request would wait for their copies: dropped
+        if shortage > 0 and tier == DEVICE:
+            # the waiting request would wait for their copies: the oldest, up to the
+            # shortage, are dropped (the first chunk reaching it included)
+            before = np.cumsum(size[evicted]) - size[evicted]
+            evicted = evicted[before >= shortage]
         carried = np.union1d(carried[~np.isin(carried, candidates)], evicted)
     target[carried] = -1
     drops: list[Action] = []
