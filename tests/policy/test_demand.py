@@ -117,9 +117,8 @@ def test_idle_kv_is_demoted_ahead_of_forecast_arrivals(kv):
 
 def test_a_pressure_decision_also_frees_the_space_forecast_arrivals_will_need(kv):
     """The engine asks for the space one request needs now; arrivals forecast before the next
-    decision bid for more, as on the timer. Freeing only the need would call the policy again
-    at the next arrival, and the waiting request does not wait for the rest: chunks free their
-    space one by one as their copies land, the need's first."""
+    decision bid for more, as on the timer: freeing only the need would call the policy again
+    at the next arrival."""
     policy = CostPolicy(kv.slow_model())
     context = 8192 * kv.BYTES_PER_TOKEN
     idle = [kv.session(f"s{i}", 8192, idle_since=0.0) for i in range(9)]

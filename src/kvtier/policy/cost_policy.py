@@ -45,8 +45,10 @@ requests wait one more), or with no queue the arrivals forecast before the next 
 byte of a spill when they come. So idle KV keeps a device with room for free and is demoted on
 the timer once arrivals would need the space. Under pressure `bytes_needed` is set aside
 first and the forecast arrivals bid for more, as on the timer: freeing only the need would
-call the policy again at the next arrival, and the waiting request does not wait for the
-rest (the engine frees each chunk's space as its copy lands). The bids set how much
+call the policy again at the next arrival. The waiting request starts once its need is out
+where each chunk frees its space as its copy lands (the simulator, vLLM's offloading worker);
+kvtier's engine gathers every moved chunk into host memory on its own thread first, so there
+it also waits for those memory copies. The bids set how much
 space idle KV keeps; which chunks keep it is ranked over the time a kept byte will stay before
 arrivals need it (kept bytes over the forecast's byte rate, by Little's law), by
 P(return within that time) * w * L_T' per byte: a session due back in 40 s outranks one due in
