@@ -33,6 +33,18 @@ def feed(kv, forecast: DemandForecast, sessions: list[SessionView], every_s: flo
     return now
 
 
+def show_arrivals(kv, policy: CostPolicy, start_s: float) -> float:
+    """Ten long new conversations (8K tokens), one every 2 s from `start_s`, each finished
+    before the next, shown to `policy` on a roomy device so that its forecast expects more;
+    returns the time of the last."""
+    now = start_s
+    for i in range(10):
+        now = start_s + 2.0 * i
+        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
+        policy.decide(kv.view([arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    return now
+
+
 def test_no_arrivals_no_demand(kv):
     forecast = DemandForecast()
     forecast.observe(kv.view([kv.session("a", 4096)], {"device": 80 * GB}), 0.0)
@@ -123,11 +135,7 @@ def test_a_pressure_decision_also_frees_the_space_forecast_arrivals_will_need(kv
     context = 8192 * kv.BYTES_PER_TOKEN
     idle = [kv.session(f"s{i}", 8192, idle_since=0.0) for i in range(9)]
     capacity = {"device": 10 * context, "host": 200 * GB}
-    now = 0.0
-    for i in range(10):  # long new conversations every 2 s, each finished before the next
-        now = 300.0 + 2.0 * i
-        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
-        policy.decide(kv.view([*idle, arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    now = show_arrivals(kv, policy, 300.0)
     need = 2 * context  # one context is free: the request needs one more
     v = kv.view(idle, capacity, bytes_needed=need)
     actions = policy.decide(v, now + 1.0)
@@ -142,11 +150,7 @@ def test_under_pressure_kv_past_the_cut_off_is_dropped_up_to_the_shortage_and_de
     What the waiting request needs is dropped (it would wait for the copies); what the policy
     frees beyond it for the arrivals goes to host, since nobody waits for it."""
     policy = CostPolicy(kv.slow_model(), pricing_chunks=1)  # counts chunks
-    now = 0.0
-    for i in range(10):  # long new conversations every 2 s, each finished before the next
-        now = 3630.0 + 2.0 * i
-        arrived = SessionView(f"new{i}", turns=(TurnView(now, 8192),), active=True)
-        policy.decide(kv.view([arrived], {"device": 1000 * GB, "host": 200 * GB}), now)
+    now = show_arrivals(kv, policy, 3630.0)
     old, young = kv.session("old", 6144), kv.session("young", 6144, idle_since=3600.0)
     device = sum(c.size_bytes for s in (old, young) for c in s.chunks)
     v = kv.view([old, young], {"device": device, "host": 200 * GB}, bytes_needed=400 * 10**6)
