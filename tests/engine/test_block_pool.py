@@ -164,3 +164,62 @@ def test_a_steps_writes_land_in_their_slots_whole_blocks_as_slabs():
             assert torch.equal(pool.kv[block, layer, 1, :, offset], v[row])
             before[block, layer, :, :, offset] = pool.kv[block, layer, :, :, offset]
     assert torch.equal(pool.kv, before)
+
+
+def test_kept_blocks_are_reused_after_free_ones_and_before_the_lru_least_recent_first():
+    """Blocks went idle in the order c, a, b; a policy then moved the content of b, and later
+    of a, to a lower tier: their blocks are kept. The pool hands out the free block first,
+    then the kept ones in the order they went idle (a before b, whatever the order they were
+    kept in), and only then the LRU's idle cached block c; each reuse evicts the key."""
+    pool = BlockPool(4)
+    recorder = Recorder()
+    pool.add_listener(recorder)
+    a, b, c, d = pool.allocate(4)
+    for block_id, key in ((a, b"A"), (b, b"B"), (c, b"C")):
+        pool.cache_block(block_id, key)
+    pool.release([c, a, b, d])  # LRU order c, a, b; d never cached
+    assert pool.keep([b]) == 1 and pool.keep([a, d]) == 1  # d is free, not cached
+    assert pool.num_kept == 2 and pool.num_allocatable == 4 and pool.num_cached_idle == 3
+    assert pool.lookup(b"A") == a and pool.resident(b"A") is None  # hittable, not resident
+    assert pool.resident(b"C") == c
+    assert pool.allocate(3) == [d, a, b]
+    assert pool.lookup(b"B") is None and pool.lookup(b"A") is None
+    assert pool.lookup(b"C") == c and pool.num_kept == 0
+    assert [e for e in recorder.events if e[0] == "evicted"] == [
+        ("evicted", a, b"A"),
+        ("evicted", b, b"B"),
+    ]
+
+
+def test_a_hit_takes_a_kept_block_back_and_only_idle_cached_blocks_can_be_kept():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, b"A")
+    pool.cache_block(b, b"B")
+    pool.release([a])
+    assert pool.keep([a, b, c]) == 1  # b is in use, c holds no key
+    pool.touch([a])  # a prefix hit on a's key
+    assert pool.ref_counts[a] == 1 and pool.num_kept == 0 and pool.num_kept_hits == 1
+    assert pool.resident(b"A") == a
+    pool.release([a])  # idle again: back in the LRU, no longer kept
+    assert pool.num_kept == 0 and pool.is_idle_cached(a)
+    assert pool.keep([a]) == 1 and pool.drop_cached([a]) == 1 and pool.drop_cached([a]) == 0
+    assert pool.lookup(b"A") is None and pool.num_kept == 0 and pool.num_allocatable == 1
+    pool.release([b])
+    pool.keep([b])
+    assert pool.reset_prefix_cache() == 1 and pool.num_allocatable == 2  # c is still in use
+
+
+def test_a_block_kept_again_after_a_hit_is_reused_by_its_new_idle_time():
+    """a went idle before b and both were kept; a prefix hit took a back and it went idle
+    again, now after b. Kept again, it is reused after b: its first stay is forgotten."""
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, b"A")
+    pool.cache_block(b, b"B")
+    pool.release([a, b, c])
+    assert pool.keep([a, b]) == 2
+    pool.touch([a])
+    pool.release([a])
+    assert pool.keep([a]) == 1 and pool.num_kept == 2
+    assert pool.allocate(3) == [c, b, a]

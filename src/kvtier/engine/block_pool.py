@@ -1,11 +1,14 @@
 """What blocks exist: free ids, refcounts, the prefix cache (key -> block) and its LRU.
 
-A block is in exactly one of three states:
+A block is in exactly one of four states:
 - free: no owner, no key (`free_block_ids`);
 - in use: refcount > 0 (owned by one or more requests; a cached block can be shared);
-- cached and idle: refcount 0 but its key still maps to it (`evictable`, oldest first).
-Idle cached blocks are reused only when no free block is left, least recently freed first,
-so a finished conversation's KV stays hittable for as long as memory allows.
+- cached and idle: refcount 0 but its key still maps to it (`evictable`, oldest first);
+- kept: cached and idle, and its content has been moved to a lower tier by a policy
+  (`kept`): free as far as the policy is concerned, still hittable.
+Allocation takes free blocks, then kept ones, then the LRU's idle cached blocks, each least
+recently freed first, so a finished conversation's KV stays hittable for as long as memory
+allows, and a moved one for as long as nothing else needs its pages.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvtier.engine.hooks import FULL_FORM, BlockEventListener
+from kvtier.engine.kept_blocks import KeptBlocks
 
 
 class BlockPool:
@@ -24,6 +28,10 @@ class BlockPool:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.cached_block_ids: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.kept = KeptBlocks()
+        self.num_kept_hits = 0  # kept blocks a prefix hit took back
+        self._idle_at = [0] * num_blocks  # when each block last went idle (a counter)
+        self._idle_clock = 0
         # Stored form of each block's contents ("full" when computed here; a codec's form
         # when restored from a lossy copy), so a lossy block is never mistaken for exact.
         self.forms = [FULL_FORM] * num_blocks
@@ -37,7 +45,12 @@ class BlockPool:
 
     @property
     def num_allocatable(self) -> int:
-        return len(self.free_block_ids) + len(self.evictable)
+        return len(self.free_block_ids) + len(self.kept) + len(self.evictable)
+
+    @property
+    def num_kept(self) -> int:
+        """Idle cached blocks whose content a policy moved to a lower tier."""
+        return len(self.kept)
 
     @property
     def num_used(self) -> int:
@@ -45,7 +58,7 @@ class BlockPool:
 
     @property
     def num_cached_idle(self) -> int:
-        return len(self.evictable)
+        return len(self.evictable) + len(self.kept)
 
     def add_listener(self, listener: BlockEventListener) -> None:
         self.listeners.append(listener)
@@ -61,6 +74,9 @@ class BlockPool:
         for _ in range(n):
             if self.free_block_ids:
                 block_id = self.free_block_ids.popleft()
+            elif self.kept:
+                block_id = self.kept.pop_oldest()
+                self._evict(block_id)
             else:
                 block_id, _ = self.evictable.popitem(last=False)
                 self._evict(block_id)
@@ -73,7 +89,10 @@ class BlockPool:
         """Add a reference to cached blocks a request reuses (prefix hit)."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                del self.evictable[block_id]
+                if self.kept.discard(block_id):
+                    self.num_kept_hits += 1
+                else:
+                    del self.evictable[block_id]
             self.ref_counts[block_id] += 1
 
     def release(self, block_ids: list[int]) -> None:
@@ -90,6 +109,8 @@ class BlockPool:
                 self.free_block_ids.append(block_id)
             else:
                 self.evictable[block_id] = None
+                self._idle_clock += 1
+                self._idle_at[block_id] = self._idle_clock
                 for listener in self.listeners:
                     listener.on_block_freed(block_id)
 
@@ -110,20 +131,28 @@ class BlockPool:
     def lookup(self, key: bytes) -> int | None:
         return self.cached_block_ids.get(key)
 
+    def resident(self, key: bytes) -> int | None:
+        """The block holding `key`, unless it is kept (its content already moved down)."""
+        block_id = self.cached_block_ids.get(key)
+        return None if block_id is None or block_id in self.kept else block_id
+
     def is_cached(self, block_id: int) -> bool:
         """The block holds computed KV under a key (in use or idle): a prefix can hit it."""
         return self.block_keys[block_id] is not None
 
     def is_idle_cached(self, block_id: int) -> bool:
         """Cached and held by nobody: the LRU may evict it (a prefix hit takes it back)."""
-        return self.ref_counts[block_id] == 0 and block_id in self.evictable
+        return self.ref_counts[block_id] == 0 and (
+            block_id in self.evictable or block_id in self.kept
+        )
 
     def set_form(self, block_id: int, form: str) -> None:
         self.forms[block_id] = form
 
     def reset_prefix_cache(self) -> int:
         """Forget every idle cached block (they become free); returns how many."""
-        dropped = list(self.evictable)
+        dropped = [*self.kept, *self.evictable]
+        self.kept.clear()
         self.evictable.clear()
         for block_id in dropped:
             self._evict(block_id)
@@ -135,12 +164,28 @@ class BlockPool:
         many were dropped. Blocks in use or not cached are left alone."""
         dropped = 0
         for block_id in block_ids:
+            if self.ref_counts[block_id]:
+                continue  # in use
+            if block_id in self.evictable:
+                del self.evictable[block_id]
+            elif not self.kept.discard(block_id):
+                continue  # free: nothing cached to drop
+            self._evict(block_id)
+            self.free_block_ids.append(block_id)
+            dropped += 1
+        return dropped
+
+    def keep(self, block_ids: list[int]) -> int:
+        """These idle cached blocks' content was moved to a lower tier (a policy decided):
+        reuse them before the LRU's (least recently freed first among them), while a prefix
+        hit can still take them back. Returns how many were kept; blocks in use or not cached are left alone."""
+        kept = 0
+        for block_id in block_ids:
             if self.ref_counts[block_id] == 0 and block_id in self.evictable:
                 del self.evictable[block_id]
-                self._evict(block_id)
-                self.free_block_ids.append(block_id)
-                dropped += 1
-        return dropped
+                self.kept.add(block_id, self._idle_at[block_id])
+                kept += 1
+        return kept
 
     def _evict(self, block_id: int) -> None:
         key = self.block_keys[block_id]
