@@ -67,5 +67,5 @@ def assert_no_leak(engine: Engine) -> None:
     pool = engine.block_pool
     assert not engine.has_unfinished_requests()
     assert pool.num_used == 0
-    assert len(pool.free_block_ids) + len(pool.evictable) == pool.num_blocks
+    assert len(pool.free_block_ids) + len(pool.kept) + len(pool.evictable) == pool.num_blocks
     assert all(count == 0 for count in pool.ref_counts)

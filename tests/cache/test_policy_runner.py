@@ -255,3 +255,41 @@ def test_under_pressure_the_runner_drops_what_the_cost_policy_evicts_past_the_cu
     assert second == expected[1]
     assert out.metrics.prompt_token_sources["device"] == 0
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("flood", [False, True])
+def test_with_keep_moved_a_moved_session_resumes_from_its_kept_blocks_until_they_are_used(
+    engine, expected, flood
+):
+    """`keep_moved`: a session moved to host keeps its device blocks. The policy sees them as
+    free and the chunks as on host; the next turn finds them on the device with nothing to
+    load. A long prompt in between takes free blocks, then kept ones, with no spill (host
+    holds the chunks), the session's tail first as they went idle: the next turn finds its
+    head on the device and loads the rest from host. Both give the reference output."""
+    turns = make_turns(0)
+    tiers = TiersConfig(host_bytes=64 * MIB, chunk_tokens=64, keep_moved=True)
+    connector = attach_connector(engine, tiers, "retain")
+    first = first_turn(engine, turns)
+    pool = engine.block_pool
+    hits_before = pool.num_kept_hits  # the engine is shared between tests
+    connector.runner.execute(Move("s1", None, "host"))
+    assert connector.flush(timeout=30)
+    assert set(session_tiers(connector)) == {"host"}
+    kept = pool.num_kept
+    assert kept == len(turns.first) // 16  # every full block of the first turn
+    (device,) = [t for t in connector.runner.view().tiers if t.name == "device"]
+    assert device.used_bytes == 0
+    if flood:
+        engine.add_request(turns.flood, GREEDY, session_id="s1-flood")
+        drain(engine)
+        assert connector.flush(timeout=30)
+        assert 0 < pool.num_kept < kept  # the flood took some kept blocks
+        kept = pool.num_kept
+        assert connector.counters["spilled_chunks"] == 0  # host already held them
+    second, out = run_second(engine, turns, first)
+    assert second == expected[1]
+    sources = out.metrics.prompt_token_sources
+    assert pool.num_kept_hits - hits_before == kept  # each block still kept was hit
+    assert sources["device"] == kept * 16
+    assert (sources["host"] > 0) == flood
+    assert_no_leak(engine)

@@ -2,8 +2,9 @@
 moved down or dropped on the engine's real blocks and tiers (`kvtier.policy.executor`).
 
 - `move` of a chunk on the device: its leading run of device blocks is copied out as ONE
-  payload (one gather into host memory) and its idle device blocks are freed; the write into
-  the tier runs on the mover's worker. If a tier already holds that run (a write-through
+  payload (one gather into host memory) and its idle device blocks are freed (with
+  `keep_moved`, kept: reused first, hittable until then); the write into the tier runs on
+  the mover's worker. If a tier already holds that run (a write-through
   copy), that copy is demoted instead. Blocks in use by a request refuse the move (`in_use`).
 - `move` of a chunk in a lower tier: the store demotes it, also on the worker.
 - A moved chunk is stored at the less precise of the asked form and the tier's own
@@ -88,7 +89,7 @@ class ConnectorChunks:
         the tier holding the chunk or, failing that, a shorter stored variant of it (the
         partial last chunk of an earlier turn)."""
         c = self.connector
-        if any(c.block_pool.lookup(k) is not None for k in keys):
+        if any(c.block_pool.resident(k) is not None for k in keys):
             return DEVICE
         for length in range(len(keys), 0, -1):
             where = c.locate(Chunk(keys[:length], namespace).id)
@@ -100,9 +101,11 @@ class ConnectorChunks:
         c = self.connector
         keys, namespace = self._chunk(session_id, index)
         pool = c.block_pool
-        ids = [pool.lookup(k) for k in keys]
-        if ids[0] is None:
-            c.drop_device_blocks(self.own_keys(keys))
+        ids = [pool.resident(k) for k in keys]
+        if ids[0] is None:  # stored below: stray device blocks go, kept ones stay kept
+            c.drop_device_blocks(
+                self.own_keys([k for k, b in zip(keys, ids, strict=True) if b is not None])
+            )
             return self._demote(Chunk(keys, namespace), tier, form)
         run = list(takewhile(lambda block: block is not None, ids))
         if any(pool.ref_counts[b] for b in run):
@@ -120,7 +123,7 @@ class ConnectorChunks:
             c.chunks.put(chunk, payload, tier, done, lossiest(form, c.form_of(run)), ready=ready)
         elif where != tier:
             refused = self._demote(chunk, tier, form)
-        c.drop_device_blocks(
+        c.free_moved_blocks(
             self.own_keys([k for k, b in zip(keys, ids, strict=True) if b is not None])
         )
         return refused

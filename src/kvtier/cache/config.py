@@ -44,6 +44,10 @@ class TiersConfig:
     only blocks seen twice and SGLang HiCache's `write_through_selective` counts hits): a
     conversation's history is written once it has come back, and one that never returns
     writes nothing.
+    `keep_moved`: a chunk a policy moves off the device keeps its device blocks, hittable,
+    until the pool needs them (they are reused first, with no spill: a tier holds the chunk),
+    as vLLM's prefix cache keeps a freed block; the policy sees them as free. Off, a move
+    frees its blocks at once.
     `swap_on_preempt`: a request preempted for lack of blocks has its computed blocks spilled
     when the pool reuses them (swap-out), and restored at re-admission, instead of recomputed.
     Spills and writes down the cascade run on background workers: `spill_queue` bounds the
@@ -87,6 +91,7 @@ class TiersConfig:
     prefetch: bool = True  # start loads when a request is queued
     spill_on_evict: bool | None = None
     write_through: WriteThrough = False
+    keep_moved: bool = False
     swap_on_preempt: bool = True
     spill_queue: int = 16
     retries: int = 2

@@ -155,6 +155,13 @@ class TieredConnector:
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
         return self.spiller.drop_device_blocks(keys)
 
+    def free_moved_blocks(self, keys: Sequence[bytes]) -> int:
+        """A policy moved these keys' chunk down: free their idle device blocks, or with
+        `keep_moved` keep them hittable until the pool needs them."""
+        if self.config.keep_moved:
+            return self.spiller.keep_device_blocks(keys)
+        return self.spiller.drop_device_blocks(keys)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every queued background write; False if some are still running after
         `timeout`. Serving never needs this (reads see writes in flight); tests and

@@ -110,7 +110,7 @@ class PolicyRunner:
         if queue.num_waiting and self._steps_since_pressure >= 8:
             need = -(-queue.head_tokens // self.connector.block_size)
             pool = self.connector.block_pool
-            if not pool.num_free or pool.num_allocatable < need:
+            if not (pool.num_free + pool.num_kept) or pool.num_allocatable < need:
                 self.run("pressure", need * self.connector.bytes_per_block)
 
     def run(self, reason: str = "timer", bytes_needed: int = 0) -> list[Action]:
@@ -140,7 +140,7 @@ class PolicyRunner:
         pool = c.block_pool
         views = []
         for index, chunk_keys in enumerate(c.chunk_keys(keys)):
-            blocks = [b for b in (pool.lookup(k) for k in chunk_keys) if b is not None]
+            blocks = [b for b in (pool.resident(k) for k in chunk_keys) if b is not None]
             start = index * c.blocks_per_chunk * c.block_size
             end = start + len(chunk_keys) * c.block_size
             # on device: full-precision bytes, though restored ones keep their lossy form
@@ -182,7 +182,7 @@ class PolicyRunner:
         tiers = [
             TierView(
                 DEVICE,
-                (pool.num_blocks - pool.num_free) * c.bytes_per_block,
+                (pool.num_blocks - pool.num_free - pool.num_kept) * c.bytes_per_block,
                 pool.num_blocks * c.bytes_per_block,
             )
         ]

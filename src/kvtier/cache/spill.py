@@ -132,6 +132,12 @@ class Spiller:
 
             c.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
 
+    def keep_device_blocks(self, keys: Sequence[bytes]) -> int:
+        """A policy moved these keys' chunk down: their idle device blocks become kept, the
+        first the pool reuses (with no spill: a tier holds the chunk) and hittable until then."""
+        pool = self.chunks.block_pool
+        return pool.keep([b for b in (pool.lookup(k) for k in keys) if b is not None])
+
     def drop_device_blocks(self, keys: Sequence[bytes]) -> int:
         """Evict these keys' idle device blocks without spilling them (a policy decided)."""
         pool = self.chunks.block_pool

@@ -48,11 +48,17 @@ class VllmBlockView:
     def lookup(self, key: bytes) -> int | None:
         return self._bound.get(key)
 
+    def resident(self, key: bytes) -> int | None:
+        return self._bound.get(key)
+
     def set_form(self, block_id: int, form: str) -> None:
         return None  # restored blocks are written in the pool's own dtype
 
     def drop_cached(self, block_ids: list[int]) -> int:
         return 0  # vLLM's prefix cache is vLLM's to evict
+
+    def keep(self, block_ids: list[int]) -> int:
+        return 0  # ... and vLLM keeps a freed block hittable until it reuses it anyway
 
     # what a policy's pressure trigger reads: vLLM does not show a connector its free blocks
     @property
@@ -62,3 +68,5 @@ class VllmBlockView:
     @property
     def num_allocatable(self) -> int:
         return self.num_blocks
+
+    num_kept = 0
