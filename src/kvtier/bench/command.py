@@ -103,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "only the chunks its prompt reused (docs/cache.md)",
     )
     eng.add_argument(
+        "--keep-moved",
+        action="store_true",
+        help="a chunk a policy moves off the device keeps its blocks, hittable, until the "
+        "pool needs them (tiers.keep_moved; docs/cache.md)",
+    )
+    eng.add_argument(
         "--restore-pipeline",
         choices=("chunk", "layer"),
         default="chunk",
@@ -180,7 +186,12 @@ def run(args: argparse.Namespace) -> int:
         "session_resume_after_s": args.resume_after,
     }
     tiers = engines.tiers_config(
-        host_bytes, disk_bytes, args.disk_path, args.write_through, args.restore_pipeline
+        host_bytes,
+        disk_bytes,
+        args.disk_path,
+        args.write_through,
+        args.restore_pipeline,
+        keep_moved=args.keep_moved,
     )
     compression, compression_note = _compression(args, workload, kv_bytes)
     base["compression"] = compression

@@ -29,6 +29,7 @@ def tiers_config(
     disk_dir: str | None,
     write_through: bool | str = False,
     restore_pipeline: str = "chunk",
+    keep_moved: bool = False,
 ) -> TiersConfig | None:
     """The engine's tier settings (None: device only)."""
     if host_bytes <= 0 and disk_bytes <= 0:
@@ -42,6 +43,7 @@ def tiers_config(
         disk_bytes=disk_bytes,
         disk_dir=disk_dir,
         write_through=write_through,
+        keep_moved=keep_moved,
         restore_pipeline=restore_pipeline,  # type: ignore[arg-type]  # argparse's choices
     )
 
