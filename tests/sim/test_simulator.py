@@ -119,6 +119,54 @@ def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(sm
     assert result.run.decisions["demote"]["device"] == 16 + 17
 
 
+@pytest.mark.parametrize("keep_moved", [False, True])
+def test_a_resumed_turn_finds_its_moved_kv_on_the_device_while_its_pages_are_kept(keep_moved):
+    """The timer moves the first turn's 16 chunks to host. With kept pages (as vLLM's prefix
+    cache keeps freed blocks) nothing reused them by the time the turn resumes, so it loads
+    nothing; the host copies stay as clean copies, and moving those chunks down again after
+    the second turn writes only its new, partial chunk."""
+    dep = deployment(keep_moved=keep_moved)
+    model = StepModel(dep.profile, dep.geometry, dep.tp)
+    first = request("s", 0, 0.0, 4000, 96)  # 4,096 tokens of KV: 16 chunks of 256
+    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
+    config = policy("tests.sim.test_simulator:ToHost", interval_s=5.0)
+    result = simulate([first, second], dep, config)
+    resumed = result.run.requests[1]
+    host = result.run.tiers["host"]
+    chunk_bytes = dep.kv_bytes(256)
+    assert host.resident_bytes == dep.kv_bytes(4210)
+    if keep_moved:
+        assert resumed.restored_tokens == {"device": 4096}
+        assert resumed.ttft_s == pytest.approx(model.prefill_s(104, 4096), rel=1e-9)
+        assert (host.bytes_read, host.bytes_dropped) == (0, 0)
+        assert host.bytes_written == dep.kv_bytes(4210)  # 16 chunks once, then the 17th
+    else:
+        assert resumed.restored_tokens == {"recomputed": 256, "host": 3840}
+        assert resumed.ttft_s > model.prefill_s(104, 4096) + 0.01
+        assert host.bytes_read == 15 * chunk_bytes
+
+
+def test_kept_pages_are_reused_tail_first_when_the_pool_needs_them():
+    """a's 16 chunks are moved to host and their pages kept; b then takes more of the pool
+    than is left beside them, so the pool reuses a's kept pages, whole chunks from the tail
+    (as a prefix cache's LRU frees a request's blocks), and no more. When a resumes, its
+    head is on the device and the tail loads from host."""
+    a_bytes = deployment().kv_bytes(4096)
+    dep = deployment(device_kv_bytes=a_bytes * 3 // 2, keep_moved=True)
+    requests = [
+        request("a", 0, 0.0, 4000, 96),
+        request("b", 0, 100.0, 4000, 1),
+        request("a", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16))),
+    ]
+    config = policy("tests.sim.test_simulator:ToHost", interval_s=5.0)
+    resumed = simulate(requests, dep, config).run.requests[2]
+    chunk_bytes = dep.kv_bytes(256)
+    excess = dep.kv_bytes(4001) + a_bytes - dep.device_kv_bytes
+    reused = -(-excess // chunk_bytes)
+    assert 0 < reused < 16
+    assert resumed.restored_tokens == {"device": (16 - reused) * 256, "host": reused * 256}
+
+
 def test_a_chunk_moved_as_int8_holds_fewer_bytes_and_pays_its_decode_on_restore(small):
     model = StepModel(small.profile, small.geometry, small.tp)
     cost = small_cost_model(small)
@@ -242,13 +290,18 @@ def workload():
     return flatten(generate(config, seed=3))
 
 
-@pytest.mark.parametrize("write_through", [False, True])
+@pytest.mark.parametrize(
+    ("write_through", "keep_moved"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @pytest.mark.parametrize("name", ["retain", "recompute", "offload", "cost", "oracle"])
-def test_every_request_is_accounted_for_and_tier_bytes_balance(workload, name, write_through):
+def test_every_request_is_accounted_for_and_tier_bytes_balance(
+    workload, name, write_through, keep_moved
+):
     dep = deployment(
         device_kv_bytes=8 * GB,
         tier_bytes={"host": 20 * GB, "disk": 200 * GB},
         write_through=write_through,
+        keep_moved=keep_moved,
     )
     run = simulate(workload, dep, policy(name, interval_s=30.0)).run
     assert len(run.requests) == len(workload)

@@ -110,13 +110,14 @@ def test_a_simulation_not_set_up_like_the_bench_run_is_named(tmp_path, capsys):
     assert setup_mismatches(SIM_CONFIG, BENCH_CONFIG) == []
     other = {**SIM_CONFIG, "device_kv_bytes": 10**9, "max_batched_tokens": 8192}
     other |= {"model": "llama-3.1-8b", "tier_bytes": {"host": 1073741824, "disk": 10**9}}
-    other |= {"write_through": True, "shared_prefixes": False}
+    other |= {"write_through": True, "keep_moved": True, "shared_prefixes": False}
     problems = setup_mismatches(other, BENCH_CONFIG)
     assert problems == [
         "device KV pool: simulated 1000000000, measured 67108864",
         "disk tier bytes: simulated 1000000000, measured 0",
         "tokens per step: simulated 8192, measured 512",
         "write-through: simulated True, measured False",
+        "kept pages: simulated True, measured False",
         "model: simulated 'llama-3.1-8b', measured the embedded smollm2-135m",
         "shared prefixes: simulated per conversation, the engine's prefix cache shares blocks "
         "across conversations (give --shared-prefixes)",

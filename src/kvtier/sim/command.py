@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "timer_after_steps": False,
     "shared_prefixes": False,
     "write_through": False,
+    "keep_moved": False,
     "lengths_from": None,
 }
 
@@ -136,6 +137,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--write-through",
         action=argparse.BooleanOptionalAction,
         help="copy each turn's full chunks to the top lower tier as it ends (tiers.write_through)",
+    )
+    hw.add_argument(
+        "--keep-moved",
+        action=argparse.BooleanOptionalAction,
+        help="a chunk moved off the device keeps its pages there until the pool needs them, "
+        "as vLLM's prefix cache keeps freed blocks",
     )
     hw.add_argument(
         "--shared-prefixes",
@@ -366,6 +373,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         resume_after_s=args.resume_after,
         timer_after_steps=args.timer_after_steps,
         write_through=args.write_through,
+        keep_moved=args.keep_moved,
         shared_prefixes=args.shared_prefixes,
     )
 

@@ -57,6 +57,7 @@ def setup_lines(
         "policy timer": "after steps" if d.timer_after_steps else "on its clock",
         "shared prefixes": "on" if d.shared_prefixes else "off",
         "write-through": "on" if d.write_through else "off",
+        "keep moved": "on" if d.keep_moved else "off",
     }
     sessions = len({r.session_id for r in requests})
     return [

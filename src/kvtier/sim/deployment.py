@@ -48,6 +48,10 @@ class Deployment:
     # while they stay on the device, so a later demotion there frees device memory at once.
     # The copies fill space the policies see as free and are dropped first when it is needed.
     write_through: bool = False
+    # A chunk moved off the device keeps its pages there as a clean copy until the pool needs
+    # them (vLLM's prefix cache keeps a freed block's contents until it reuses the block): the
+    # space counts as free, and a turn that resumes before it is reused finds its KV there.
+    keep_moved: bool = False
     # The engine's prefix cache also finds blocks other conversations computed (a system
     # prompt, a shared document). True models that for leading blocks: see docs/simulate.md.
     shared_prefixes: bool = False
@@ -133,5 +137,6 @@ class Deployment:
             "pressure_headroom": self.pressure_headroom,
             "timer_after_steps": self.timer_after_steps,
             "write_through": self.write_through,
+            "keep_moved": self.keep_moved,
             "shared_prefixes": self.shared_prefixes,
         }

@@ -157,8 +157,8 @@ class ReplicaChunks:
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
-        # tier -> (bytes written, device bytes freed) of the chunks spilled there
-        self.spills: dict[str, list[tuple[int, int]]] = {}
+        # tier -> (bytes written, device bytes freed, session, chunk) of the chunks spilled there
+        self.spills: dict[str, list[tuple[int, int, SimSession, int]]] = {}
 
     @property
     def tiers(self) -> Sequence[str]:
@@ -180,6 +180,7 @@ class ReplicaChunks:
             replica._forget_copy(session, index)
             session.tiers[index] = source = replica.top_tier
             replica.used -= size
+            replica._keep_moved(session, index, size)
             replica.epoch += 1
             if tier == source:
                 return None
@@ -199,7 +200,7 @@ class ReplicaChunks:
             if replica.store.put(chunk, Payload.sized(stored), tier=tier):
                 self._stored(session, index, tier, form, stored)
                 replica.pending_free += size
-                self.spills.setdefault(tier, []).append((stored, size))
+                self.spills.setdefault(tier, []).append((stored, size, session, index))
             else:
                 replica._drop_chunk(session, index)
         elif stored == size:
@@ -277,6 +278,16 @@ class Replica:
             and policy.name not in ("retain", "recompute")
         )
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
+        # keep_moved: device pages of chunks moved down, kept until the pool needs them:
+        # (session id, chunk) -> (session, device bytes, entry number). Not in `used`: they
+        # are free. The pool takes them back least recently used first, a session's tail
+        # before its head, as a prefix cache's LRU does: a heap of (last use, -chunk, entry
+        # number, key) whose entries for chunks no longer kept are skipped when reached.
+        self.kept: dict[tuple[str, int], tuple[SimSession, int, int]] = {}
+        self._kept_order: list[tuple[float, int, int, tuple[str, int]]] = []
+        self._kept_entries = itertools.count()
+        self.kept_bytes = 0
+        self.kept_hits = 0  # chunks a resumed turn found kept on the device
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
         self.pending_free = 0  # of those, bytes being spilled (a chunk frees as its copy lands)
@@ -348,6 +359,8 @@ class Replica:
             return
         session.busy = True
         self.tracked[session.session_id] = session
+        if self.kept:
+            self._revive_kept(session)
         r.valid = self._valid_tokens(session, request)
         keep = math.ceil(r.valid / self.deployment.chunk_tokens)
         for index in range(keep, len(session.tiers)):
@@ -377,6 +390,7 @@ class Replica:
             if self.capacity - self.used - ahead >= load_bytes:
                 self._commit(r, plan)
                 self.used += r.load_bytes
+                self._reuse_kept()
                 r.allocated += r.load_bytes
                 self._start_loads(r)
         self._kick()
@@ -583,18 +597,21 @@ class Replica:
         link = self.model.paths[tier].write
         per_op = link.latency_s * link.bandwidth
         self.in_flight += 1
-        freed = [size for _, size in spills]
+        freed = [(size, session, index) for _, size, session, index in spills]
         self.write[tier].submit_in_order(
-            [written + per_op for written, _ in spills], partial(self._spilled, freed)
+            [written + per_op for written, *_ in spills], partial(self._spilled, freed)
         )
 
-    def _spilled(self, freed: Sequence[int], part: int) -> None:
+    def _spilled(self, freed: Sequence[tuple[int, SimSession, int]], part: int) -> None:
         """Chunk `part` of a spill landed: the device frees what it took there, which is more
         than was written for a chunk stored in a smaller form."""
         if part == len(freed) - 1:
             self.in_flight -= 1
-        self.pending_free -= freed[part]
-        self.used -= freed[part]
+        size, session, index = freed[part]
+        self.pending_free -= size
+        self.used -= size
+        if index < len(session.tiers) and session.tiers[index] not in (None, "device"):
+            self._keep_moved(session, index, size)
         self.epoch += 1
         self._kick()
 
@@ -677,6 +694,7 @@ class Replica:
         """Admit `r`: reserve the rest of its context and start running it."""
         need = r.reserve - r.device_base - r.allocated
         self.used += need
+        self._reuse_kept()
         r.allocated += need
         r.record.scheduled_s = self.loop.now
         self.prefilling.append(r)
@@ -745,6 +763,7 @@ class Replica:
             self.deployment.kv_bytes(min(chunk, total - start)) for start in range(0, total, chunk)
         ]
         self.used += sum(sizes) - (r.device_base + r.allocated)
+        self._reuse_kept()
         session.reset(total, sizes, now)
         if self.write_through:
             self._write_through(session)
@@ -835,6 +854,7 @@ class Replica:
             self.used -= session.sizes[i]
             self.epoch += 1
         elif tier is not None:
+            self._forget_kept(session, i)
             self.store.delete(session.chunk(i).id)
             self.dropped[tier] += session.sizes[i]
             session.sizes[i] = session.full.pop(i, session.sizes[i])
@@ -909,6 +929,58 @@ class Replica:
         while not tier.fits(size) and self.copies:
             session_id, i = next(iter(self.copies))
             self._uncopy(self.copies[(session_id, i)], i)
+
+    # -- pages kept on the device after a move (keep_moved) ------------------------------
+
+    def _keep_moved(self, session: SimSession, i: int, size: int) -> None:
+        if self.deployment.keep_moved:
+            key, entry = (session.session_id, i), next(self._kept_entries)
+            self.kept[key] = (session, size, entry)
+            self.kept_bytes += size
+            heapq.heappush(self._kept_order, (session.access[i], -i, entry, key))
+            self._reuse_kept()
+
+    def _forget_kept(self, session: SimSession, i: int) -> None:
+        kept = self.kept.pop((session.session_id, i), None)
+        if kept is not None:
+            self.kept_bytes -= kept[1]
+
+    def _reuse_kept(self) -> None:
+        """The pool takes kept pages back, least recently used first, as memory is allocated."""
+        order = self._kept_order
+        while self.kept and self.used + self.kept_bytes > self.capacity:
+            _, _, entry, key = heapq.heappop(order)
+            kept = self.kept.get(key)
+            if kept is not None and kept[2] == entry:
+                del self.kept[key]
+                self.kept_bytes -= kept[1]
+        if len(order) > 2 * len(self.kept) + 1024:  # mostly stale entries: rebuild
+            order[:] = [e for e in order if self.kept.get(e[3], (0, 0, -1))[2] == e[2]]
+            heapq.heapify(order)
+
+    def _revive_kept(self, session: SimSession) -> None:
+        """A turn arrives: its chunks whose device pages are still kept are on the device
+        again, with no load. A full-precision copy in the top tier stays as a clean copy
+        (moving the chunk down again then costs no transfer); any other stored copy goes."""
+        for i, tier in enumerate(session.tiers):
+            kept = self.kept.pop((session.session_id, i), None)
+            if kept is None:
+                continue
+            size = kept[1]
+            self.kept_bytes -= size
+            if tier is None or tier == "device":
+                continue
+            self.kept_hits += 1
+            stored_full = session.forms[i] == FULL and i not in session.full
+            if tier == self.top_tier and stored_full and size == self.full_chunk_bytes:
+                self._add_copy(session, i)
+            else:  # the device holds it again: the stored copy is freed unread
+                self.store.delete(session.chunk(i).id)
+                self.dropped[tier] += session.sizes[i]
+            session.tiers[i], session.forms[i] = "device", FULL
+            session.sizes[i] = session.full.pop(i, session.sizes[i])
+            self.used += size
+        session.changed()
 
     # -- results -------------------------------------------------------------------------
 

@@ -105,6 +105,7 @@ def setup_mismatches(simulated: Mapping[str, Any], measured: Mapping[str, Any]) 
             simulated.get("write_through", False),
             tiers.get("write_through", False),
         ),
+        ("kept pages", simulated.get("keep_moved", False), tiers.get("keep_moved", False)),
         ("workload", simulated.get("workload"), workload.get("name")),
         ("workload seed", simulated.get("seed"), workload.get("seed")),
         ("workload settings", list(simulated.get("workload_set") or []),
@@ -158,6 +159,7 @@ def setup_from(measured: Any, results: str | Path) -> dict[str, Any]:
         "max_num_batched_tokens": engine.get("max_num_batched_tokens"),
         "resume_after": engine.get("session_resume_after_s"),
         "write_through": tiers.get("write_through", False),
+        "keep_moved": tiers.get("keep_moved", False),
         "timer_after_steps": True,
         "shared_prefixes": True,
         "workload": workload.get("name"),
@@ -171,7 +173,8 @@ def setup_from(measured: Any, results: str | Path) -> dict[str, Any]:
     }
     kinds = {
         "model": str, "chunk_tokens": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-        "resume_after": int | float, "write_through": bool, "workload": str, "seed": int,
+        "resume_after": int | float, "write_through": bool, "keep_moved": bool, "workload": str,
+        "seed": int,
     }  # fmt: skip
     for key, kind in kinds.items():
         value = setup[key]
