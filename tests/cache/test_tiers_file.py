@@ -69,6 +69,14 @@ def test_the_restore_pipeline_from_the_table_or_its_flag(tmp_path: Path):
     assert load_tiers(path, overrides=flags).restore_pipeline == "chunk"
 
 
+def test_kept_blocks_from_the_table_or_tiers_set(tmp_path: Path):
+    """`kvtier serve --tiers-set keep_moved=true` and the table both turn kept blocks on."""
+    path = write(tmp_path, "[tiers]\nhost_bytes = \"1MiB\"\nkeep_moved = true\n")
+    assert load_tiers(path).keep_moved is True
+    assert load_tiers(None, settings=["host_bytes=1MiB"]).keep_moved is False
+    assert load_tiers(None, settings=["host_bytes=1MiB", "keep_moved=true"]).keep_moved is True
+
+
 def test_defaults_host_from_the_machine_and_nothing_else():
     tiers = load_tiers(None)
     assert tiers is not None
@@ -102,6 +110,7 @@ def test_a_key_file_gives_the_master_key(tmp_path: Path):
         ('restore = "sometimes"', "tiers.restore must be load, plan or recompute"),
         ('restore_pipeline = "token"', "tiers.restore_pipeline must be chunk or layer"),
         ("tiers = 1", "tiers.tiers (from {path}): unknown key"),
+        ('keep_moved = "yes"', "tiers.keep_moved must be true or false"),
     ],
 )
 def test_bad_values_name_the_key_and_where_it_came_from(tmp_path: Path, table, message):

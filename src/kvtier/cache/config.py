@@ -123,6 +123,8 @@ class TiersConfig:
                 f"tiers.write_through must be true, false or 'selective', got "
                 f"{self.write_through!r}"
             )
+        if not isinstance(self.keep_moved, bool):
+            raise KvtierError(f"tiers.keep_moved must be true or false, got {self.keep_moved!r}")
         if self.restore not in ("load", "plan", "recompute"):
             raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
         if self.restore_pipeline not in ("chunk", "layer"):
