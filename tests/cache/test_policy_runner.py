@@ -290,6 +290,7 @@ def test_with_keep_moved_a_moved_session_resumes_from_its_kept_blocks_until_they
     assert second == expected[1]
     sources = out.metrics.prompt_token_sources
     assert pool.num_kept_hits - hits_before == kept  # each block still kept was hit
+    assert engine.stats().tiers["counters"]["kept_blocks_hit"] == pool.num_kept_hits
     assert sources["device"] == kept * 16
     assert (sources["host"] > 0) == flood
     assert_no_leak(engine)

@@ -239,6 +239,10 @@ class TieredConnector:
 
     def stats(self) -> dict[str, Any]:
         self.writes.reap()
+        if self.config.keep_moved:  # the pool's own counts, as counters of this report
+            pool = self.block_pool
+            self.counters["kept_blocks"] = pool.num_kept
+            self.counters["kept_blocks_hit"] = pool.num_kept_hits
         return connector_stats(
             policy=self.runner.policy_name,
             tokens=self.tokens,
