@@ -71,7 +71,7 @@ def test_the_restore_pipeline_from_the_table_or_its_flag(tmp_path: Path):
 
 def test_kept_blocks_from_the_table_or_tiers_set(tmp_path: Path):
     """`kvtier serve --tiers-set keep_moved=true` and the table both turn kept blocks on."""
-    path = write(tmp_path, "[tiers]\nhost_bytes = \"1MiB\"\nkeep_moved = true\n")
+    path = write(tmp_path, '[tiers]\nhost_bytes = "1MiB"\nkeep_moved = true\n')
     assert load_tiers(path).keep_moved is True
     assert load_tiers(None, settings=["host_bytes=1MiB"]).keep_moved is False
     assert load_tiers(None, settings=["host_bytes=1MiB", "keep_moved=true"]).keep_moved is True

@@ -178,7 +178,8 @@ class BlockPool:
     def keep(self, block_ids: list[int]) -> int:
         """These idle cached blocks' content was moved to a lower tier (a policy decided):
         reuse them before the LRU's (least recently freed first among them), while a prefix
-        hit can still take them back. Returns how many were kept; blocks in use or not cached are left alone."""
+        hit can still take them back. Returns how many were kept; blocks in use or not cached
+        are left alone."""
         kept = 0
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0 and block_id in self.evictable:
