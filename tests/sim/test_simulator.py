@@ -77,6 +77,15 @@ def policy(name: str, **fields) -> PolicyConfig:
     return PolicyConfig(name=name, **fields)
 
 
+def moved_then_resumed(dep, mover: str):
+    """A 4,096-token first turn (16 chunks of 256) that the test policy `mover` moves off the
+    device on its 5 s timer, then a turn 600 s later whose prompt extends it by 104 tokens."""
+    first = request("s", 0, 0.0, 4000, 96)
+    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
+    config = policy(f"tests.sim.test_simulator:{mover}", interval_s=5.0)
+    return simulate([first, second], dep, config)
+
+
 def test_one_request_costs_what_the_step_model_says(small):
     model = StepModel(small.profile, small.geometry, small.tp)
     result = simulate([request("s", 0, 0.0, 3000, 4)], small, policy("retain"))
@@ -98,10 +107,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget(small):
 
 def test_a_resumed_turn_waits_for_its_loads_then_prefills_only_the_new_tokens(small):
     model = StepModel(small.profile, small.geometry, small.tp)
-    first = request("s", 0, 0.0, 4000, 96)  # 4,096 tokens of KV: 16 chunks of 256
-    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
-    config = policy("tests.sim.test_simulator:ToHost", interval_s=5.0)
-    result = simulate([first, second], small, config)
+    result = moved_then_resumed(small, "ToHost")
     resumed = result.run.requests[1]
     assert resumed.turn_kind == "resumed"
     # the restore planner (Cake's bidirectional plan) recomputes chunk 0 while the link loads
@@ -127,10 +133,7 @@ def test_a_resumed_turn_finds_its_moved_kv_on_the_device_while_its_pages_are_kep
     the second turn writes only its new, partial chunk."""
     dep = deployment(keep_moved=keep_moved)
     model = StepModel(dep.profile, dep.geometry, dep.tp)
-    first = request("s", 0, 0.0, 4000, 96)  # 4,096 tokens of KV: 16 chunks of 256
-    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
-    config = policy("tests.sim.test_simulator:ToHost", interval_s=5.0)
-    result = simulate([first, second], dep, config)
+    result = moved_then_resumed(dep, "ToHost")
     resumed = result.run.requests[1]
     host = result.run.tiers["host"]
     chunk_bytes = dep.kv_bytes(256)
@@ -170,10 +173,7 @@ def test_kept_pages_are_reused_tail_first_when_the_pool_needs_them():
 def test_a_chunk_moved_as_int8_holds_fewer_bytes_and_pays_its_decode_on_restore(small):
     model = StepModel(small.profile, small.geometry, small.tp)
     cost = small_cost_model(small)
-    first = request("s", 0, 0.0, 4000, 96)  # 4,096 tokens of KV: 16 chunks of 256
-    second = request("s", 1, 600.0, 4200, 10, hash_ids=tuple(range(4200 // 16)))
-    config = policy("tests.sim.test_simulator:ToHostInt8", interval_s=5.0)
-    result = simulate([first, second], small, config)
+    result = moved_then_resumed(small, "ToHostInt8")
     resumed = result.run.requests[1]
     chunk_bytes = 256 * small.bytes_per_token
     stored = form_bytes(chunk_bytes, "full", "int8")
