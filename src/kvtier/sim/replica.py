@@ -279,15 +279,14 @@ class Replica:
         )
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         # keep_moved: device pages of chunks moved down, kept until the pool needs them:
-        # (session id, chunk) -> (session, device bytes, entry number). Not in `used`: they
-        # are free. The pool takes them back least recently used first, a session's tail
-        # before its head, as a prefix cache's LRU does: a heap of (last use, -chunk, entry
-        # number, key) whose entries for chunks no longer kept are skipped when reached.
-        self.kept: dict[tuple[str, int], tuple[SimSession, int, int]] = {}
+        # (session id, chunk) -> (device bytes, entry number). Not in `used`: they are free.
+        # The pool takes them back least recently used first, a session's tail before its
+        # head, as a prefix cache's LRU does: a heap of (last use, -chunk, entry number, key)
+        # whose entries for chunks no longer kept are skipped when reached.
+        self.kept: dict[tuple[str, int], tuple[int, int]] = {}
         self._kept_order: list[tuple[float, int, int, tuple[str, int]]] = []
         self._kept_entries = itertools.count()
         self.kept_bytes = 0
-        self.kept_hits = 0  # chunks a resumed turn found kept on the device
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
         self.pending_free = 0  # of those, bytes being spilled (a chunk frees as its copy lands)
@@ -935,7 +934,7 @@ class Replica:
     def _keep_moved(self, session: SimSession, i: int, size: int) -> None:
         if self.deployment.keep_moved:
             key, entry = (session.session_id, i), next(self._kept_entries)
-            self.kept[key] = (session, size, entry)
+            self.kept[key] = (size, entry)
             self.kept_bytes += size
             heapq.heappush(self._kept_order, (session.access[i], -i, entry, key))
             self._reuse_kept()
@@ -943,7 +942,7 @@ class Replica:
     def _forget_kept(self, session: SimSession, i: int) -> None:
         kept = self.kept.pop((session.session_id, i), None)
         if kept is not None:
-            self.kept_bytes -= kept[1]
+            self.kept_bytes -= kept[0]
 
     def _reuse_kept(self) -> None:
         """The pool takes kept pages back, least recently used first, as memory is allocated."""
@@ -951,11 +950,11 @@ class Replica:
         while self.kept and self.used + self.kept_bytes > self.capacity:
             _, _, entry, key = heapq.heappop(order)
             kept = self.kept.get(key)
-            if kept is not None and kept[2] == entry:
+            if kept is not None and kept[1] == entry:
                 del self.kept[key]
-                self.kept_bytes -= kept[1]
+                self.kept_bytes -= kept[0]
         if len(order) > 2 * len(self.kept) + 1024:  # mostly stale entries: rebuild
-            order[:] = [e for e in order if self.kept.get(e[3], (0, 0, -1))[2] == e[2]]
+            order[:] = [e for e in order if self.kept.get(e[3], (0, -1))[1] == e[2]]
             heapq.heapify(order)
 
     def _revive_kept(self, session: SimSession) -> None:
@@ -966,11 +965,10 @@ class Replica:
             kept = self.kept.pop((session.session_id, i), None)
             if kept is None:
                 continue
-            size = kept[1]
+            size = kept[0]
             self.kept_bytes -= size
             if tier is None or tier == "device":
                 continue
-            self.kept_hits += 1
             stored_full = session.forms[i] == FULL and i not in session.full
             if tier == self.top_tier and stored_full and size == self.full_chunk_bytes:
                 self._add_copy(session, i)
