@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvtier.engine.hooks import FULL_FORM, BlockEventListener
-from kvtier.engine.kept_blocks import KeptBlocks
+from kvtier.oldest_first import OldestFirst
 
 
 class BlockPool:
@@ -28,7 +28,9 @@ class BlockPool:
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.cached_block_ids: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.kept = KeptBlocks()
+        # kept blocks, handed back least recently freed first (a request's blocks go idle
+        # tail first, so a conversation's head is reused last)
+        self.kept: OldestFirst[int] = OldestFirst()
         self.num_kept_hits = 0  # kept blocks a prefix hit took back
         self._idle_at = [0] * num_blocks  # when each block last went idle (a counter)
         self._idle_clock = 0

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.oldest_first import OldestFirst
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.executor import ActionExecutor
@@ -279,13 +280,11 @@ class Replica:
         )
         self.full_chunk_bytes = deployment.kv_bytes(deployment.chunk_tokens)
         # keep_moved: device pages of chunks moved down, kept until the pool needs them:
-        # (session id, chunk) -> (device bytes, entry number). Not in `used`: they are free.
-        # The pool takes them back least recently used first, a session's tail before its
-        # head, as a prefix cache's LRU does: a heap of (last use, -chunk, entry number, key)
-        # whose entries for chunks no longer kept are skipped when reached.
-        self.kept: dict[tuple[str, int], tuple[int, int]] = {}
-        self._kept_order: list[tuple[float, int, int, tuple[str, int]]] = []
-        self._kept_entries = itertools.count()
+        # (session id, chunk) -> device bytes. Not in `used`: they are free. The pool takes
+        # them back least recently used first, a session's tail before its head, as a prefix
+        # cache's LRU does (`_kept_order`).
+        self.kept: dict[tuple[str, int], int] = {}
+        self._kept_order: OldestFirst[tuple[str, int]] = OldestFirst()
         self.kept_bytes = 0
         self.capacity = deployment.device_kv_bytes
         self.used = 0  # device bytes held: idle KV, running requests, loads, spills in flight
@@ -933,40 +932,34 @@ class Replica:
 
     def _keep_moved(self, session: SimSession, i: int, size: int) -> None:
         if self.deployment.keep_moved:
-            key, entry = (session.session_id, i), next(self._kept_entries)
-            self.kept[key] = (size, entry)
+            key = (session.session_id, i)
+            self.kept[key] = size
             self.kept_bytes += size
-            heapq.heappush(self._kept_order, (session.access[i], -i, entry, key))
+            self._kept_order.add(key, (session.access[i], -i))
             self._reuse_kept()
 
     def _forget_kept(self, session: SimSession, i: int) -> None:
-        kept = self.kept.pop((session.session_id, i), None)
-        if kept is not None:
-            self.kept_bytes -= kept[0]
+        key = (session.session_id, i)
+        if key in self.kept:
+            self.kept_bytes -= self.kept.pop(key)
+            self._kept_order.discard(key)
 
     def _reuse_kept(self) -> None:
         """The pool takes kept pages back, least recently used first, as memory is allocated."""
-        order = self._kept_order
         while self.kept and self.used + self.kept_bytes > self.capacity:
-            _, _, entry, key = heapq.heappop(order)
-            kept = self.kept.get(key)
-            if kept is not None and kept[1] == entry:
-                del self.kept[key]
-                self.kept_bytes -= kept[0]
-        if len(order) > 2 * len(self.kept) + 1024:  # mostly stale entries: rebuild
-            order[:] = [e for e in order if self.kept.get(e[3], (0, -1))[1] == e[2]]
-            heapq.heapify(order)
+            self.kept_bytes -= self.kept.pop(self._kept_order.pop_oldest())
 
     def _revive_kept(self, session: SimSession) -> None:
         """A turn arrives: its chunks whose device pages are still kept are on the device
         again, with no load. A full-precision copy in the top tier stays as a clean copy
         (moving the chunk down again then costs no transfer); any other stored copy goes."""
         for i, tier in enumerate(session.tiers):
-            kept = self.kept.pop((session.session_id, i), None)
-            if kept is None:
+            key = (session.session_id, i)
+            if key not in self.kept:
                 continue
-            size = kept[0]
+            size = self.kept.pop(key)
             self.kept_bytes -= size
+            self._kept_order.discard(key)
             if tier is None or tier == "device":
                 continue
             stored_full = session.forms[i] == FULL and i not in session.full
