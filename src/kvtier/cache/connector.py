@@ -239,16 +239,17 @@ class TieredConnector:
 
     def stats(self) -> dict[str, Any]:
         self.writes.reap()
-        if self.config.keep_moved:  # the pool's own counts, as counters of this report
+        counters = self.counters
+        if self.config.keep_moved:  # the pool's own counts, reported beside the connector's
             pool = self.block_pool
-            self.counters["kept_blocks"] = pool.num_kept
-            self.counters["kept_blocks_hit"] = pool.num_kept_hits
+            kept = {"kept_blocks": pool.num_kept, "kept_blocks_hit": pool.num_kept_hits}
+            counters = Counter({**counters, **kept})
         return connector_stats(
             policy=self.runner.policy_name,
             tokens=self.tokens,
             decisions=self.runner.decisions,
             policy_runs=self.runner.runs,
-            counters=self.counters,
+            counters=counters,
             store=self.store,
             mover=self.mover,
             tier_forms=self.tier_forms,
