@@ -50,6 +50,11 @@ def test_sweep_writes_its_table_and_heatmap(tmp_path):
     assert len(sweep["rows"]) == 4 and len(sweep["winners"]) == 2
     table = (out / "sweep.md").read_text()
     assert "| h100-sxm | 0.2 | 2,000 |" in table and "TTFT p99" in table
+    # `recompute` drops an idle session's KV, so no resumed turn finds it on the device;
+    # `offload` with room keeps it there
+    on_device = {(r["policy"], r["resume_share"]): r["resumed_on_device"] for r in sweep["rows"]}
+    assert on_device["recompute", 0.8] == 0.0 and on_device["offload", 0.8] == 1.0
+    assert "| resumed on device |" in table and "| offload | " in table
     assert (out / "sweep_heatmap.png").stat().st_size > 1000
 
 

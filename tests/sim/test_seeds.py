@@ -35,6 +35,8 @@ def test_each_seed_is_the_run_that_seed_gives_alone(tmp_path, capsys):
             ]
             assert row["resumed_mean_ms"] == pytest.approx(resumed["mean_ms"])
             assert row["resumed_p99_ms"] == pytest.approx(resumed["p99_ms"])
+            on_device = run["summary"]["ttft_resumed_by_source"]["device"]["count"]
+            assert row["resumed_on_device"] == pytest.approx(on_device / resumed["count"])
     # the two seeds are different workloads, so the spread is a real one
     means = [r["resumed_mean_ms"] for r in document["rows"] if r["policy"] == "offload"]
     assert means[0] != means[1]
@@ -42,6 +44,14 @@ def test_each_seed_is_the_run_that_seed_gives_alone(tmp_path, capsys):
     assert [v["seed"] for v in document["versus"]] == [0, 3]
     table = (out / "seeds.md").read_text()
     assert "Over 2 seeds (0, 3)" in table and "| 3 |" in table
+    # the share of resumed turns served from the device follows the three TTFT figures
+    retain = document["spread"]["retain"]
+    cells = [f"{retain[f]['median']:,.1f} [" for f in ("resumed_mean_ms", "resumed_p50_ms")]
+    device = retain["resumed_on_device"]
+    line = next(line for line in table.splitlines() if line.startswith("| retain |"))
+    columns = line.split(" | ")
+    assert columns[1].startswith(cells[0]) and columns[2].startswith(cells[1])
+    assert columns[4] == f"{device['median']:.1%} [{device['min']:.1%} - {device['max']:.1%}]"
     assert table in capsys.readouterr().out
 
 
@@ -53,6 +63,7 @@ def row(seed: int, policy: str, mean: float, p99: float, failed: int = 0) -> dic
         "resumed_mean_ms": mean,
         "resumed_p50_ms": mean,
         "resumed_p99_ms": p99,
+        "resumed_on_device": 1.0,
         "bytes_moved": 0,
     }
 

@@ -30,7 +30,7 @@ from kvtier.workload.model import Request
 SCHEMA = "kvtier.seeds/1"
 WITHIN = 1.05  # the rule: never behind the best fixed policy by more than 5% ...
 AHEAD = 0.85  # ... and, where the workload carries a signal, ahead by 15% (mean or p99)
-SPREAD_FIELDS = (*RESUMED_FIELDS, "bytes_moved")
+SPREAD_FIELDS = (*RESUMED_FIELDS, "resumed_on_device", "bytes_moved")
 ORACLE = "oracle"  # knows the future: shown, but not counted among the best
 
 
@@ -137,11 +137,13 @@ def rule(against: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def markdown(document: Mapping[str, Any]) -> str:
     seeds, policies = document["seeds"], document["policies"]
     lines = [
-        f"### Over {len(seeds)} seeds ({_seed_list(seeds)}): resumed TTFT ms and bytes moved, "
-        "median over the seeds [lowest - highest seed]",
+        f"### Over {len(seeds)} seeds ({_seed_list(seeds)}): resumed TTFT ms, share of resumed "
+        "turns served from the device and bytes moved, median over the seeds [lowest - highest "
+        "seed]",
         "",
-        "| policy | mean | p50 | p99 | GB read+written | best on mean / p50 / p99 (seeds) |",
-        "|---|---|---|---|---|---|",
+        "| policy | mean | p50 | p99 | resumed on device | GB read+written "
+        "| best on mean / p50 / p99 (seeds) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in policies:
         s = document["spread"][name]
@@ -150,6 +152,8 @@ def markdown(document: Mapping[str, Any]) -> str:
             cells.append(
                 f"{s[field]['median']:,.1f} [{s[field]['min']:,.1f} - {s[field]['max']:,.1f}]"
             )
+        device = s["resumed_on_device"]
+        cells.append(f"{device['median']:.1%} [{device['min']:.1%} - {device['max']:.1%}]")
         moved = s["bytes_moved"]
         cells.append(
             f"{moved['median'] / 1e9:,.1f} [{moved['min'] / 1e9:,.1f} - {moved['max'] / 1e9:,.1f}]"
