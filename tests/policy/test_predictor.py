@@ -143,6 +143,25 @@ def test_tracker_forgets_sessions_that_leave_the_view():
     assert tracker.update(_view(s2), 6.0) == []  # seen afresh: its history is not news
 
 
+def test_tracker_abandons_by_the_idle_period_not_by_the_view():
+    # an idle session's view changes whenever a policy moves its chunks; the cut-off counts
+    # from when it went idle, once, and a return starts a new idle period
+    tracker = TurnTracker(max_age_s=100.0)
+    first = TurnView(arrival=0.0, prompt_tokens=10, finished=2.0)
+    idle = SessionView("s", tenant="tenant", app_class="chat", turns=(first,), idle_since=2.0)
+    tracker.update(_view(idle), 3.0)
+    for now in (10.0, 20.0, 30.0):  # a new view object each time: chunks moved
+        assert tracker.update(_view(dataclasses.replace(idle)), now) == []
+    second = TurnView(arrival=50.0, prompt_tokens=10, finished=60.0)
+    again = dataclasses.replace(idle, turns=(first, second), idle_since=60.0)
+    assert tracker.update(_view(again), 61.0) == [Returned("s", KEY, 48.0, 50.0)]
+    # 102 s is past the first idle period's cut-off, not the second's
+    assert tracker.update(_view(dataclasses.replace(again)), 102.0) == []
+    assert tracker.update(_view(again), 150.0) == []
+    assert tracker.update(_view(dataclasses.replace(again)), 161.0) == [Abandoned("s", KEY, 160.0)]
+    assert tracker.update(_view(again), 300.0) == []
+
+
 def _session(session_id: str, key=KEY) -> SessionView:
     return SessionView(session_id, tenant=key[0], app_class=key[1])
 

@@ -35,11 +35,14 @@ class TurnTracker:
         self.max_age_s = max_age_s
         # per session: the view last seen, turns seen, already counted abandoned
         self._seen: dict[str, tuple[SessionView, int, bool]] = {}
-        # (idle since, order, session id, view) of each idle session not counted abandoned,
-        # earliest first: an unchanged session passing the cut-off age is found here instead
-        # of by visiting every session at every update (an entry whose view is no longer the
-        # one seen is stale and skipped)
-        self._idle: list[tuple[float, int, str, SessionView]] = []
+        # (idle since, order, session id) of each idle session not counted abandoned, earliest
+        # first: a session passing the cut-off age is found here instead of by visiting every
+        # session at every update. One entry per idle period: an idle session's view changes
+        # each time a policy moves its chunks, and an entry per view would be popped and
+        # skipped as stale an hour later, at every decision. `_queued`: the idle time of each
+        # session's entry; an entry whose session is no longer idle since then is skipped
+        self._idle: list[tuple[float, int, str]] = []
+        self._queued: dict[str, float] = {}
         self._pushed = 0
 
     def update(
@@ -56,12 +59,15 @@ class TurnTracker:
         # views are reused until the session changes: only changed ones have news
         for session in changes.changed:
             self._visit(session, seen.get(session.session_id), now, events)
-        idle = self._idle
+        idle, queued = self._idle, self._queued
         while idle and now - idle[0][0] >= self.max_age_s:
-            _, _, session_id, session = heapq.heappop(idle)
+            since, _, session_id = heapq.heappop(idle)
+            if queued.get(session_id) == since:
+                del queued[session_id]
             before = seen.get(session_id)
-            if before is not None and before[0] is session:  # unchanged since it was pushed
-                self._visit(session, before, now, events)
+            # still in the idle period it was queued for, and not yet counted abandoned
+            if before is not None and before[0].idle_since == since and not before[2]:
+                self._visit(before[0], before, now, events)
         # in session order (each session's own events stay in turn order): what the predictor
         # learns does not depend on the order of the view
         events.sort(key=lambda event: event.session_id)
@@ -91,8 +97,12 @@ class TurnTracker:
             at = session.idle_since + self.max_age_s
             events.append(Abandoned(session.session_id, session.reuse_key, at))
             abandoned = True
-        if session.idle and not abandoned:
-            entry = (session.idle_since, self._pushed, session.session_id, session)
-            heapq.heappush(self._idle, entry)
+        if (
+            session.idle
+            and not abandoned
+            and self._queued.get(session.session_id) != (since := session.idle_since)
+        ):
+            heapq.heappush(self._idle, (since, self._pushed, session.session_id))
+            self._queued[session.session_id] = since
             self._pushed += 1
         self._seen[session.session_id] = (session, len(turns), abandoned)
