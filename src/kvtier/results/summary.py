@@ -78,11 +78,11 @@ def summarize(records: RunRecords, duration: float | None = None) -> dict[str, A
     summary |= _stats("stall", np.array(stalls, dtype=float))
 
     summary["ttft_by_turn_kind"] = {
-        kind: _group([r.ttft_s for r in ok if r.turn_kind == kind]) for kind in TURN_KINDS
+        kind: latency_group([r.ttft_s for r in ok if r.turn_kind == kind]) for kind in TURN_KINDS
     }
     resumed = [r for r in ok if r.turn_kind == "resumed"]
     summary["ttft_resumed_by_source"] = {
-        source: _group([r.ttft_s for r in resumed if r.restore_source == source])
+        source: latency_group([r.ttft_s for r in resumed if r.restore_source == source])
         for source in RESTORE_SOURCES
     }
     summary["resume_latency_by_context"] = _by_context(resumed)
@@ -152,7 +152,8 @@ def _weighted(values: np.ndarray, counts: np.ndarray) -> list[float]:
     return [mean, percentile(50), std, *(percentile(p) for p in PERCENTILES)]
 
 
-def _group(seconds: Iterable[float]) -> dict[str, float | int]:
+def latency_group(seconds: Iterable[float]) -> dict[str, float | int]:
+    """How many, and their mean / median / percentiles in ms, of latencies in seconds."""
     values = np.array(list(seconds), dtype=float)
     out: dict[str, float | int] = {"count": len(values)}
     if len(values):
@@ -172,7 +173,6 @@ def _by_context(resumed: list[RequestRecord]) -> list[dict[str, Any]]:
     rows = []
     for index in sorted(bins):
         low = 0 if index == 0 else _FIRST_BIN_TOKENS << (index - 1)
-        rows.append(
-            {"min_tokens": low, "max_tokens": _FIRST_BIN_TOKENS << index, **_group(bins[index])}
-        )
+        stats = latency_group(bins[index])
+        rows.append({"min_tokens": low, "max_tokens": _FIRST_BIN_TOKENS << index, **stats})
     return rows
