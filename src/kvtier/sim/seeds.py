@@ -11,10 +11,10 @@ a turn that waited behind the same long prefill for a different time. Several se
 a difference from one that holds.
 
 The preset's own verdict is `pooled`: every resumed turn of all the seeds taken together, as
-one sample of the preset ten times the size, so its p99 is set by ten times as many turns and
-its p50 does not jump between the device-hit and the restore mode of a bimodal latency as one
-seed's can. Per seed, the counts say how often a single run of the preset would have shown
-each verdict.
+one sample of the preset as many times the size as there are seeds, so its p99 is set by that
+many times as many turns, and its p50 does not jump between the device-hit and the restore mode
+of a bimodal latency as one seed's can. Per seed, the counts say how often a single run of the
+preset would have shown each verdict.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def _pooled_lines(pool: Mapping[str, Any], seeds: int) -> list[str]:
         "",
         f"### Pooled: the resumed turns of the {seeds} seeds as one sample (the preset's verdict)",
         "",
-        "| policy | resumed turns | mean | p50 | p99 | GB read+written |",
+        "| policy | resumed turns | mean | p50 | p99 | GB read+written, all seeds |",
         "|---|---|---|---|---|---|",
     ]
     for row in pool["rows"]:
