@@ -48,6 +48,12 @@ _FIRST_BIN_TOKENS = 1024  # resume-latency bins: [0, 1K), [1K, 2K), [2K, 4K), ..
 _NUMBER = re.compile(r"\b\d[\d,.]*\b")  # whole numbers only: "bf16" keeps its digits
 
 
+def resumed_turns(records: RunRecords) -> list[RequestRecord]:
+    """The run's completed resumed turns, in record order: what every resumed-turn figure is
+    taken over (`summarize`'s, and the pooled ones of `kvtier simulate seeds`)."""
+    return [r for r in records.requests if not r.failed and r.turn_kind == "resumed"]
+
+
 def summarize(records: RunRecords, duration: float | None = None) -> dict[str, Any]:
     """The summary of one run; `duration` defaults to the run's own (first send to last token)."""
     duration = records.duration_s if duration is None else duration
@@ -80,7 +86,7 @@ def summarize(records: RunRecords, duration: float | None = None) -> dict[str, A
     summary["ttft_by_turn_kind"] = {
         kind: latency_group([r.ttft_s for r in ok if r.turn_kind == kind]) for kind in TURN_KINDS
     }
-    resumed = [r for r in ok if r.turn_kind == "resumed"]
+    resumed = resumed_turns(records)
     summary["ttft_resumed_by_source"] = {
         source: latency_group([r.ttft_s for r in resumed if r.restore_source == source])
         for source in RESTORE_SOURCES

@@ -28,7 +28,7 @@ from typing import Any
 from kvtier.errors import KvtierError
 from kvtier.policy.config import PolicyConfig
 from kvtier.results.records import RunRecords
-from kvtier.results.summary import latency_group
+from kvtier.results.summary import latency_group, resumed_turns
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.simulator import simulate
 from kvtier.sim.sweep import FIXED_POLICIES, RESUMED_FIELDS, metrics_row, same, versus
@@ -78,9 +78,7 @@ def run_seeds(
         for name in policies:
             result = simulate(workload, deployment, policy(name))
             rows.append({"seed": seed, **metrics_row(name, result.run)})
-            resumed[name] += [
-                r.ttft_s for r in result.run.requests if r.turn_kind == "resumed" and not r.failed
-            ]
+            resumed[name] += [r.ttft_s for r in resumed_turns(result.run)]
             runs.append(result.run)
             progress(f"seed {seed} {name}: {result.events:,} events in {result.wall_s:.1f} s")
         keep(seed, runs)
