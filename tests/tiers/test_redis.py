@@ -188,11 +188,14 @@ def test_redis_cluster_with_pipelines_across_slots(spawn_redis, make_payload, sa
         timeout=30,
     )
     assert create.returncode == 0, create.stdout + create.stderr
+    # every node, not only the first: a node reports "ok" once it has its own slots, while the
+    # others may not have learnt the slot map yet, and a write routed to one of them then fails
     deadline = time.monotonic() + 10
-    with redis.Redis(port=nodes[0].port) as client:
-        while client.cluster("info")["cluster_state"] != "ok":
-            assert time.monotonic() < deadline, "cluster did not become ready"
-            time.sleep(0.1)
+    for node in nodes:
+        with redis.Redis(port=node.port) as client:
+            while client.cluster("info")["cluster_state"] != "ok":
+                assert time.monotonic() < deadline, "cluster did not become ready"
+                time.sleep(0.1)
 
     payloads = [(bytes([i]) * 32, make_payload(seed=i)) for i in range(12)]
     for hash_tag in (False, True):
