@@ -8,7 +8,9 @@ how often a session never returns; not the individual returns that the oracle is
         --disk-bytes 2TB --policies cost,oracle --no-plots --out out/informed
 
 runs `kvtier simulate` with the given arguments plus the policy `informed` (`--policies` lists
-the others to run beside it). `--finished-only` leaves the sessions' ends out of the warm start
+the others to run beside it); with `--seeds 0-9` among them it runs `kvtier simulate seeds`
+instead, whose pooled table is the preset's verdict. `--sample-sessions` sets how many sessions
+the warm start draws (1,000). `--finished-only` leaves the sessions' ends out of the warm start
 (the gaps of returns only), to see what knowing P(no return) is worth by itself. Results are in
 docs/policy.md ("The amount priced over the stay").
 """
@@ -72,11 +74,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True, help="a generator preset")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-sessions", type=int, default=SAMPLE_SESSIONS)
     parser.add_argument("--finished-only", action="store_true")
     parser.add_argument("simulate", nargs=argparse.REMAINDER, help="-- kvtier simulate args")
     args = parser.parse_args()
     rest = [a for a in args.simulate if a != "--"]
-    InformedCost.gaps = preset_gaps(args.workload, args.finished_only)
+    InformedCost.gaps = preset_gaps(args.workload, args.finished_only, args.sample_sessions)
     policies = "cost"
     if "--policies" in rest:
         at = rest.index("--policies")
@@ -86,7 +89,10 @@ def main() -> int:
     # `InformedCost.gaps` were just set (run as a script it would otherwise import a fresh copy)
     sys.modules.setdefault("informed_predictor", sys.modules[__name__])
     informed = "informed_predictor:InformedCost"
-    argv = ["simulate", "--workload", args.workload, "--seed", str(args.seed)]
+    if "--seeds" in rest:  # every seed of the list, and their pooled verdict
+        argv = ["simulate", "seeds", "--workload", args.workload]
+    else:
+        argv = ["simulate", "--workload", args.workload, "--seed", str(args.seed)]
     return kvtier_main([*argv, "--policies", f"{policies},{informed}", *rest])
 
 

@@ -43,3 +43,29 @@ def test_the_script_runs_the_informed_policy_beside_cost(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [run["policy"] for run in runs] == ["cost", "informed_predictor:InformedCost"]
+
+
+def test_with_seeds_the_script_runs_simulate_seeds_and_pools_the_informed_policy(tmp_path: Path):
+    out = tmp_path / "informed-seeds"
+    done = run_benchmark(
+        "informed_predictor.py",
+        "--workload",
+        "quick",
+        "--sample-sessions",
+        "40",
+        "--",
+        "--seeds",
+        "0-1",
+        "--workload-set",
+        "sessions=6",
+        "--policies",
+        "cost",
+        "--no-plots",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads((out / "seeds.json").read_text())
+    assert document["seeds"] == [0, 1]
+    assert document["policies"] == ["cost", "informed_predictor:InformedCost"]
+    assert {row["policy"] for row in document["pooled"]["rows"]} == set(document["policies"])
