@@ -25,46 +25,27 @@ def test_the_warm_start_counts_every_sessions_end_once_unless_told_not_to():
     assert sum(map(len, finished.values())) == sum(map(len, gaps.values())) - ends
 
 
-def test_the_script_runs_the_informed_policy_beside_cost(tmp_path: Path):
-    out = tmp_path / "informed"
+def _run_script(out: Path, *before: str, simulate: tuple[str, ...] = ()) -> None:
+    """The script on 6 sessions of `quick` with `cost` asked for: `before` are its own flags,
+    `simulate` the simulate flags added after the `--`."""
     done = run_benchmark(
         "informed_predictor.py",
-        "--workload",
-        "quick",
-        "--",
-        "--workload-set",
-        "sessions=6",
-        "--policies",
-        "cost",
-        "--no-plots",
-        "--out",
-        str(out),
+        *("--workload", "quick", *before, "--", *simulate),
+        *("--workload-set", "sessions=6", "--policies", "cost", "--no-plots", "--out", str(out)),
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_script_runs_the_informed_policy_beside_cost(tmp_path: Path):
+    out = tmp_path / "informed"
+    _run_script(out)
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [run["policy"] for run in runs] == ["cost", "informed_predictor:InformedCost"]
 
 
 def test_with_seeds_the_script_runs_simulate_seeds_and_pools_the_informed_policy(tmp_path: Path):
     out = tmp_path / "informed-seeds"
-    done = run_benchmark(
-        "informed_predictor.py",
-        "--workload",
-        "quick",
-        "--sample-sessions",
-        "40",
-        "--",
-        "--seeds",
-        "0-1",
-        "--workload-set",
-        "sessions=6",
-        "--policies",
-        "cost",
-        "--no-plots",
-        "--out",
-        str(out),
-    )
-    assert done.returncode == 0, done.stderr
+    _run_script(out, "--sample-sessions", "40", simulate=("--seeds", "0-1"))
     document = json.loads((out / "seeds.json").read_text())
     assert document["seeds"] == [0, 1]
     assert document["policies"] == ["cost", "informed_predictor:InformedCost"]
