@@ -39,10 +39,9 @@ class TurnTracker:
         # first: a session passing the cut-off age is found here instead of by visiting every
         # session at every update. One entry per idle period: an idle session's view changes
         # each time a policy moves its chunks, and an entry per view would be popped and
-        # skipped as stale an hour later, at every decision. `_queued`: the idle time of each
-        # session's entry; an entry whose session is no longer idle since then is skipped
+        # skipped as stale an hour later, at every decision. A session's entry is for the idle
+        # period its last seen view was in; an entry whose session has moved on is skipped
         self._idle: list[tuple[float, int, str]] = []
-        self._queued: dict[str, float] = {}
         self._pushed = 0
 
     def update(
@@ -59,11 +58,9 @@ class TurnTracker:
         # views are reused until the session changes: only changed ones have news
         for session in changes.changed:
             self._visit(session, seen.get(session.session_id), now, events)
-        idle, queued = self._idle, self._queued
+        idle = self._idle
         while idle and now - idle[0][0] >= self.max_age_s:
             since, _, session_id = heapq.heappop(idle)
-            if queued.get(session_id) == since:
-                del queued[session_id]
             before = seen.get(session_id)
             # still in the idle period it was queued for, and not yet counted abandoned
             if before is not None and before[0].idle_since == since and not before[2]:
@@ -97,12 +94,12 @@ class TurnTracker:
             at = session.idle_since + self.max_age_s
             events.append(Abandoned(session.session_id, session.reuse_key, at))
             abandoned = True
-        if (
-            session.idle
-            and not abandoned
-            and self._queued.get(session.session_id) != (since := session.idle_since)
-        ):
-            heapq.heappush(self._idle, (since, self._pushed, session.session_id))
-            self._queued[session.session_id] = since
+        # queued when a view of this idle period was last seen (idle, not yet abandoned: its
+        # visit pushed the entry or found it pushed); a session seen afresh is queued again
+        queued = (
+            before is not None and before[0].idle and before[0].idle_since == session.idle_since
+        )
+        if session.idle and not abandoned and not queued:
+            heapq.heappush(self._idle, (session.idle_since, self._pushed, session.session_id))
             self._pushed += 1
         self._seen[session.session_id] = (session, len(turns), abandoned)
