@@ -24,9 +24,13 @@ def run(args: argparse.Namespace) -> int:
         raise KvtierError("--max-tokens must be a positive integer")
     started = time.perf_counter()
     model_dir = resolve_model_dir(args.model)
-    resolve_s = time.perf_counter() - started
     if args.action == "prepare":
-        print(f"model ready: {model_dir} ({resolve_s:.1f} s)")
+        from kvtier.models.identity import model_digest
+
+        # the digest of its bytes is what names its KV; computed now, not on the first load
+        digest = model_digest(model_dir)
+        elapsed = time.perf_counter() - started
+        print(f"model ready: {model_dir} (digest {digest}, {elapsed:.1f} s)")
         return 0
     if args.action == "info":
         config = json.loads((model_dir / "config.json").read_text())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import threading
@@ -47,6 +46,7 @@ from kvtier.engine.sessions import SessionTracker
 from kvtier.engine.stream_loop import StepLoop
 from kvtier.errors import KvtierError
 from kvtier.models import resolve_model_dir
+from kvtier.models.identity import model_digest
 from kvtier.models.tokenizer import chat_token_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -813,13 +813,10 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
 
 
 def default_namespace(model_dir: Path, dtype: str) -> str:
-    """Model id for block keys: folder name, dtype, and a digest of config + weight files.
+    """Model id for block keys: folder name, dtype, and a digest of the model's bytes.
 
-    The digest (config bytes, weight file names and sizes; cheap, no weight hashing) keeps two
-    fine-tunes in same-named folders apart; the dtype does because their KV bytes differ.
+    The digest (`kvtier.models.identity`: weights, adapter, config and tokenizer contents)
+    keeps two models in same-named folders apart, however small their difference; the dtype
+    does because their KV bytes differ.
     """
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return f"{model_dir.name}:{dtype}:{digest.hexdigest()}"
+    return f"{model_dir.name}:{dtype}:{model_digest(model_dir)}"

@@ -40,6 +40,7 @@ from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.settings import parse_settings
+from kvtier.models.identity import model_identity
 from kvtier.integrations.vllm.stats import KvtierStats, totals
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class KvtierConnector(KVConnectorBase_V1):
             PagedKVPort(kv_caches, num_blocks),
             num_blocks,
             config.cache_config.block_size,
-            str(config.model_config.model),
+            model_identity(str(config.model_config.model)),
         )
         REGISTRY.add(self._engine_id, self._tiers)
 
