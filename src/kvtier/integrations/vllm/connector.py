@@ -40,8 +40,8 @@ from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.settings import parse_settings
-from kvtier.models.identity import model_identity
 from kvtier.integrations.vllm.stats import KvtierStats, totals
+from kvtier.models.identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
