@@ -763,12 +763,20 @@ class Engine:
 
     def block_owner(self, block_id: int) -> BlockOwner | None:
         """The in-flight request that holds `block_id` among the blocks its latest steps
-        computed, or None (e.g. a block restored from a tier, or no request holds it).
+        computed or loaded from a tier, or None (no request holds it).
 
         Meant for `BlockEventListener.on_block_filled`: a block is filled by the one request
-        it was allocated to, so this names who filled it (tenant, session).
+        it was allocated to, so this names who filled it (tenant, session) — the request
+        whose restore loaded it, too: its tenant's quota counts what it brought back.
         """
         with self._lock:
+            # Inside on_block_filled: O(1) however long the run of blocks one step
+            # registers (a restore registers all it loaded at once).
+            if self.kv_manager.filling is not None:
+                request_id, blocks = self.kv_manager.filling
+                request = self.scheduler.requests.get(request_id)
+                if request is not None and block_id in blocks:
+                    return BlockOwner(request_id, request.tenant, request.session_id)
             # One step computes at most max_num_batched_tokens of a request, so a block it
             # just filled lies in that window of its table: O(window) per running request.
             window = self.config.max_num_batched_tokens // self.config.block_size + 1

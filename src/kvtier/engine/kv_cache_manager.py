@@ -22,6 +22,10 @@ class KVCacheManager:
         # Requests whose KV was compressed: token positions minus the KV slots they hold
         # (evicted tokens). Their blocks hold a subset of the prefix, so none is registered.
         self.num_evicted: dict[str, int] = {}
+        # The request whose blocks are entering the prefix cache right now, and those
+        # blocks: a block listener learns who filled a block however many of them one step
+        # registers (a restore of thousands of tokens included).
+        self.filling: tuple[str, frozenset[int]] | None = None
         # Prefix-cache counters, in tokens (what an operator graphs as hit rate).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -118,8 +122,12 @@ class KVCacheManager:
             return
         keys = request.keys_of_full_blocks(self.block_size)
         table = self.block_tables[request.request_id]
-        for i in range(start, num_full):
-            self.block_pool.cache_block(table[i], keys[i])
+        self.filling = (request.request_id, frozenset(table[start:num_full]))
+        try:
+            for i in range(start, num_full):
+                self.block_pool.cache_block(table[i], keys[i])
+        finally:
+            self.filling = None
         self._num_registered[request.request_id] = num_full
 
     def replace_blocks(self, request: Request, num_slots: int) -> list[int]:
