@@ -16,7 +16,7 @@ import pytest
 from kvtier.cache import TiersConfig
 from kvtier.cache.setup import attach_connector
 from kvtier.engine import Engine
-from kvtier.tiers.record import VERSION, VERSION_SEALED_LAYERED
+from kvtier.tiers.record import FLAG_KEY_ID, FLAG_SEALED, VERSION, VERSION_SEALED_LAYERED
 
 from .scenario import GREEDY, assert_no_leak, drain
 
@@ -136,7 +136,8 @@ def test_layered_restore_gives_the_recomputed_output(engine, kind, integrity, tm
     if integrity is not None:  # what the chunks are stored as: sealed layered records
         client = connector.store.tiers["remote"]._connection()
         values = [client.get(key) for key in client.keys(f"{tiers.redis_prefix}:*")]
-        assert values and {(raw[4], raw[5]) for raw in values} == {(VERSION_SEALED_LAYERED, 1)}
+        sealed = (VERSION_SEALED_LAYERED, FLAG_SEALED | FLAG_KEY_ID)  # naming their key
+        assert values and {(raw[4], raw[5]) for raw in values} == {sealed}
     results = sessions.finish(sessions.add_seconds())
     for name, (tokens, final) in results.items():
         assert tokens == refs[name]

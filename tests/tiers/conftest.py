@@ -188,7 +188,9 @@ def forge_layered_record(raw: bytes, change: Callable[[bytearray, int], None]) -
         xxhash.xxh3_64_intdigest(bytes(body[i * step : (i + 1) * step])) for i in range(layers)
     )
     meta, flags, at, mac = head.meta, head.flags, head.written_at, head.mac
-    new_head = encode_head(head.key, head.namespace, meta, body, flags, at, mac, layer_sums=sums)
+    new_head = encode_head(
+        head.key, head.namespace, meta, body, flags, at, mac, sums, key_id=head.key_id
+    )
     return new_head + bytes(body)
 
 

@@ -257,9 +257,9 @@ def test_a_layer_from_another_record_fails_the_read(
 
 
 def test_tiers_serve_only_layered_records_protected_as_theirs(redis_url: str) -> None:
-    """Plain, signed and sealed layered records side by side under one prefix: each tier
-    serves its own kind by layers and whole, and no other (a plain record planted where a
-    keyed tier reads is no proof of origin; a plain tier can check no signature and open no
+    """Plain, signed and sealed layered records, each copied under every tier's name: each
+    tier serves its own kind by layers and whole, and no other (a plain record planted where
+    a keyed tier reads is no proof of origin; a plain tier can check no signature and open no
     seal; a signing tier opens no seal, and a sealing one takes no signature for one)."""
     kinds = ["plain", "signed", "sealed"]
     tiers = {
@@ -267,8 +267,12 @@ def test_tiers_serve_only_layered_records_protected_as_theirs(redis_url: str) ->
         for kind in kinds
     }
     kv = chunk(10)
+    client = tiers["plain"]._connection()
     for kind, tier in tiers.items():
         tier.put(kind.encode(), Payload.of(kv), namespace="ns")
+        value = client.get(tier.redis_key(kind.encode(), "ns"))
+        for other in tiers.values():  # each kind and mode writes under names of its own
+            client.set(other.redis_key(kind.encode(), "ns"), value)
     for reader, tier in tiers.items():
         for kind in kinds:
             served = kind == reader
@@ -368,7 +372,15 @@ def test_layer_table_that_disagrees_with_the_shape_is_refused(redis_url: str, ki
     step = len(body) // (LAYERS - 1)
     sums = tuple(xxhash.xxh3_64_intdigest(body[i * step : (i + 1) * step]) for i in range(4))
     forged = encode_head(
-        head.key, head.namespace, head.meta, body, head.flags, head.written_at, head.mac, sums
+        head.key,
+        head.namespace,
+        head.meta,
+        body,
+        head.flags,
+        head.written_at,
+        head.mac,
+        sums,
+        head.key_id,
     )
     client.set(rkey, forged + body)
     assert tier.layer_heads([(b"k", "ns")]) == [None]

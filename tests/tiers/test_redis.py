@@ -37,10 +37,11 @@ def test_round_trip_bf16_and_fp32_one_by_one_and_pipelined(redis_url, make_paylo
 def test_keys_carry_the_namespace_and_a_ttl(redis_url, make_payload) -> None:
     tier = RedisTier(redis_url, 8 << 20, prefix="kvt", ttl_s=60)
     tier.put(b"\x01\x02", make_payload(), namespace="tenant-a")
-    assert list(keys_on_server(redis_url)) == [b"kvt:tenant-a:0102"]
+    # the keyspace of an unkeyed tier is "none" (docs/tiers.md, "Remote tier")
+    assert list(keys_on_server(redis_url)) == [b"kvt:none:tenant-a:0102"]
     assert tier.get(b"\x01\x02", namespace="tenant-b") is None  # another tenant: another key
     with redis.Redis.from_url(redis_url) as client:
-        assert 0 < client.pttl(b"kvt:tenant-a:0102") <= 60_000
+        assert 0 < client.pttl(b"kvt:none:tenant-a:0102") <= 60_000
     tier.close()
 
 
@@ -79,7 +80,7 @@ def test_corrupt_or_moved_values_are_misses_with_an_error(redis_url, make_payloa
         value = bytearray(client.get(bad_key))
         value[-10] ^= 0x01
         client.set(bad_key, bytes(value))
-        client.set(b"kvt::" + b"moved".hex().encode(), client.get(good_key))
+        client.set(tier.redis_key(b"moved", ""), client.get(good_key))
 
     assert tier.get(b"bad") is None
     assert tier.get(b"moved") is None  # good bytes under the wrong name are not served
@@ -215,7 +216,7 @@ def test_redis_cluster_with_pipelines_across_slots(spawn_redis, make_payload, sa
         recount.close()
     slots = set()
     with redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0].port) as cluster:
-        for key in cluster.scan_iter(match=b"c:t:*"):
+        for key in cluster.scan_iter(match=b"c:none:t:*"):
             slots.add(cluster.keyslot(key))
     assert len(slots) > 1  # without a hash tag the chunks spread over the cluster
 

@@ -14,6 +14,11 @@ A sealed layered record (record.py, version 4) is sealed with the same key and n
 its nonce and tag kept apart from the ciphertext (`seal_detached`), so that its layers can be
 decrypted one after another (`opener`) as they arrive, the tag checked with the last.
 
+Each master key also has a **key id** (`key_id`): 8 bytes of HKDF output under an info of its
+own, a fingerprint that names the key without revealing it (HKDF's output is a pseudorandom
+function of the key). A store several deployments share (Redis) puts it in every record and in
+every key name, so that values written under different master keys never meet.
+
 Signing is GMAC (NIST SP 800-38D): AES-GCM that authenticates the record and encrypts nothing.
 It is the fastest keyed check measured here (docs/tiers.md, "Sealing and signing": 2.4-3.6x
 HMAC-SHA256, 9-12x keyed BLAKE2b on a 5.9 MB body), and `cryptography`, which does the
@@ -42,9 +47,21 @@ OVERHEAD_BYTES = NONCE_BYTES + TAG_BYTES  # what sealing adds to a body
 MAC_BYTES = NONCE_BYTES + TAG_BYTES  # a signature: nonce || tag
 _SEAL_INFO = b"kvtier tier payload v1|"
 _SIGN_INFO = b"kvtier tier mac v1|"
+_KEY_ID_INFO = b"kvtier key id v1"
+# 64 bits: two master keys in one store share an id with odds of 2**-64, and the id only
+# keeps deployments apart (each record is still checked with the reader's own key)
+KEY_ID_BYTES = 8
 _SEAL_FAILED = "sealed payload failed authentication (tampered or wrong key)"
 
 _Made = TypeVar("_Made")
+
+
+def key_id(master_key: bytes) -> bytes:
+    """The master key's non-secret fingerprint (`KEY_ID_BYTES`), the same for sealing and
+    signing: see the module doc."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=KEY_ID_BYTES, salt=None, info=_KEY_ID_INFO
+    ).derive(master_key)
 
 
 class _NamespaceKeys(Generic[_Made]):
@@ -78,6 +95,7 @@ class Sealer:
 
     def __init__(self, master_key: bytes) -> None:
         self._cipher = _NamespaceKeys(master_key, _SEAL_INFO, AESGCM)
+        self.key_id = key_id(master_key)
         # the same derived key, for the streaming (layer by layer) seal and open
         self._aes = _NamespaceKeys(master_key, _SEAL_INFO, algorithms.AES)
 
@@ -126,6 +144,7 @@ class Signer:
 
     def __init__(self, master_key: bytes) -> None:
         self._aes = _NamespaceKeys(master_key, _SIGN_INFO, algorithms.AES)
+        self.key_id = key_id(master_key)
 
     def sign(self, namespace: str, pieces: Sequence[BytesLike]) -> bytes:
         """nonce || tag (`MAC_BYTES`) over the concatenation of `pieces`, which the caller

@@ -5,15 +5,20 @@
     4       1     version: 1, or 2, 3 or 4 for a layered record (below)
     5       1     flags: 1 = body sealed (AES-GCM), 2 = tombstone (a durable delete, no body),
                   4 = page head (the head is padded to 4096 bytes instead of 64),
-                  8 = signed (a GMAC of the record follows the metadata)
+                  8 = signed (a GMAC of the record follows the metadata),
+                  16 = named key (the key id of the master key that protects it follows
+                  the metadata)
     6       2     key length K
     8       2     namespace length N (UTF-8)
     10      2     metadata length M (form, dtype, shape; see Payload.meta)
     12      8     body length B
     20      8     xxh3-64 of the body, as stored (the ciphertext when sealed)
     28      8     written at, Unix seconds (float64): eviction order after a restart
-    36      8     xxh3-64 of bytes 0..36 and of key + namespace + metadata
+    36      8     xxh3-64 of bytes 0..36 and of key + namespace + metadata (+ key id,
+                  + signature or seal)
     44      K+N+M key, namespace, metadata
+    ...     8     with flag 16: the key id (crypto.key_id) of the master key the record is
+                  signed or sealed under
     ...     28    with flag 8: nonce || tag of a GMAC (crypto.Signer) over K, N, M, B, key,
                   namespace, metadata and body, under the namespace's key; in a version-4
                   record (flag 1): the nonce || tag its body was sealed with
@@ -47,6 +52,12 @@ pieces can pass for one. It is read a layer at a time in order, each layer decry
 passes its checksum, the tag checked with the last layer (`LayerCheck`). A new version
 because a reader before it would read the nonce || tag as part of the body, and one before
 version 2 refuses layered records anyway: to every older reader it is a miss.
+
+A store that several deployments share (Redis) names the key in its keyed records (flag 16),
+so that a writer can tell from a head alone whether a value was written under its own master
+key and protection (`RecordCodec.owns`) before it replaces it. The key id is covered by the
+head checksum, not by the signature or seal: a record under another key fails those anyway,
+and leaving it out keeps what they cover the same with and without it.
 
 A layered record's layer count must be its payload's axis 1 (the shape is in the metadata,
 which the signature or the seal covers, the layer table is not), or it is corrupt: a layer
@@ -83,6 +94,7 @@ import xxhash
 
 from kvtier.tiers.base import CorruptRecord, RejectedRecord, TierError
 from kvtier.tiers.crypto import (
+    KEY_ID_BYTES,
     MAC_BYTES,
     OVERHEAD_BYTES,
     Sealer,
@@ -102,7 +114,8 @@ FLAG_SEALED = 1
 FLAG_TOMBSTONE = 2
 FLAG_PAGE_HEAD = 4
 FLAG_SIGNED = 8
-_KNOWN_FLAGS = FLAG_SEALED | FLAG_TOMBSTONE | FLAG_PAGE_HEAD | FLAG_SIGNED
+FLAG_KEY_ID = 16
+_KNOWN_FLAGS = FLAG_SEALED | FLAG_TOMBSTONE | FLAG_PAGE_HEAD | FLAG_SIGNED | FLAG_KEY_ID
 _PROTECTION = FLAG_SEALED | FLAG_SIGNED
 # a layered record's version says how it is protected, and is checked against its flags
 _LAYERED_VERSIONS = {
@@ -140,6 +153,7 @@ class RecordHead:
     raw: bytes  # the head's bytes up to its zero padding, as read or written
     mac: bytes = b""  # the signature, with FLAG_SIGNED
     layer_sums: tuple[int, ...] = ()  # a layered record's per-layer xxh3-64s, else empty
+    key_id: bytes = b""  # the key id it names, with FLAG_KEY_ID
 
     def matches(self, buf: BytesLike) -> bool:
         """Whether `buf` starts with exactly this head, padding included: how a reader checks
@@ -183,6 +197,7 @@ def encode_head(
     written_at: float,
     mac: bytes = b"",
     layer_sums: tuple[int, ...] = (),
+    key_id: bytes = b"",
 ) -> bytes:
     """The head of a record holding `body`, padded to 64 bytes, or to 4096 with FLAG_PAGE_HEAD.
 
@@ -190,7 +205,11 @@ def encode_head(
         record's nonce || tag, with FLAG_SEALED and `layer_sums`.
     layer_sums: a layered record's per-layer checksums (version 2, 3 or 4 as `flags` protect
         it; `body` layer-major).
+    key_id: the key id to name (`KEY_ID_BYTES`), which sets FLAG_KEY_ID; none clears it.
     """
+    if key_id and len(key_id) != KEY_ID_BYTES:
+        raise ValueError(f"a key id is {KEY_ID_BYTES} bytes")
+    flags = flags | FLAG_KEY_ID if key_id else flags & ~FLAG_KEY_ID
     ns = namespace.encode()
     version = VERSION
     if layer_sums:
@@ -207,7 +226,7 @@ def encode_head(
         xxhash.xxh3_64_intdigest(body),
         written_at,
     )
-    variable = key + ns + meta + mac
+    variable = key + ns + meta + key_id + mac
     head = fixed + _SUM.pack(xxhash.xxh3_64_intdigest(fixed + variable)) + variable
     return head + bytes(align_up(len(head), _head_align(flags)) - len(head))
 
@@ -233,8 +252,13 @@ def _head_align(flags: int) -> int:
 
 
 def _mac_len(version: int, flags: int) -> int:
-    """Length of the nonce || tag after the metadata: a signature, or a version-4 seal's."""
+    """Length of the nonce || tag after the metadata (and key id): a signature, or a
+    version-4 seal's."""
     return MAC_BYTES if flags & FLAG_SIGNED or version == VERSION_SEALED_LAYERED else 0
+
+
+def _key_id_len(flags: int) -> int:
+    return KEY_ID_BYTES if flags & FLAG_KEY_ID else 0
 
 
 def head_len(fixed: BytesLike) -> int:
@@ -248,8 +272,8 @@ def head_len(fixed: BytesLike) -> int:
     if not known or flags & ~_KNOWN_FLAGS:
         # Likely a newer writer's record: not ours to judge, let alone delete.
         raise RejectedRecord(f"record of an unknown format (version {version}, flags {flags})")
-    mac_len = _mac_len(version, flags)
-    return align_up(FIXED_BYTES + key_len + ns_len + meta_len + mac_len, _head_align(flags))
+    trailer = _key_id_len(flags) + _mac_len(version, flags)
+    return align_up(FIXED_BYTES + key_len + ns_len + meta_len + trailer, _head_align(flags))
 
 
 def parse_head(buf: BytesLike) -> RecordHead:
@@ -263,7 +287,8 @@ def parse_head(buf: BytesLike) -> RecordHead:
     )
     (head_sum,) = _SUM.unpack_from(view, _FIXED.size)
     meta_end = key_len + ns_len + meta_len
-    end = FIXED_BYTES + meta_end + _mac_len(version, flags)
+    key_id_end = meta_end + _key_id_len(flags)
+    end = FIXED_BYTES + key_id_end + _mac_len(version, flags)
     variable = bytes(view[FIXED_BYTES:end])
     if xxhash.xxh3_64_intdigest(bytes(view[: _FIXED.size]) + variable) != head_sum:
         raise CorruptRecord("record head checksum mismatch")
@@ -287,7 +312,8 @@ def parse_head(buf: BytesLike) -> RecordHead:
         namespace=namespace,
         meta=meta,
         layer_sums=layer_sums,
-        mac=variable[meta_end:],
+        key_id=variable[meta_end:key_id_end],
+        mac=variable[key_id_end:],
         body_len=body_len,
         body_sum=body_sum,
         written_at=written_at,
@@ -301,10 +327,17 @@ class RecordCodec:
     records when it wants integrity without secrecy (one or neither, never both).
 
     layered: write full-precision chunks as layered records (version 2, 3 when signed, 4
-    when sealed: see the module doc), so they can be restored a layer at a time."""
+    when sealed: see the module doc), so they can be restored a layer at a time.
+    name_key: name the master key in every keyed record (FLAG_KEY_ID) and accept only
+    records that name this codec's key: for a store several deployments share."""
 
     def __init__(
-        self, sealer: Sealer | None = None, signer: Signer | None = None, *, layered: bool = False
+        self,
+        sealer: Sealer | None = None,
+        signer: Signer | None = None,
+        *,
+        layered: bool = False,
+        name_key: bool = False,
     ) -> None:
         if sealer is not None and signer is not None:
             raise ValueError("a tier seals or signs its records, not both (sealing authenticates)")
@@ -312,12 +345,26 @@ class RecordCodec:
         self.signer = signer
         self._protection = FLAG_SEALED if sealer else FLAG_SIGNED if signer else 0
         self.layered = layered
+        keyed = sealer or signer
+        self.key_id = keyed.key_id if name_key and keyed is not None else b""
+
+    @property
+    def mode(self) -> str:
+        """How this codec protects its records: "sealed", "signed" or "none"."""
+        return _MODES[self._protection]
+
+    def owns(self, head: RecordHead) -> bool:
+        """Whether `head` says its record was written under this codec's protection and key
+        (its key id, where it names one): what a writer checks before it replaces a value.
+        A head proves nothing (anyone can write one); the keyed check of a read does."""
+        return head.flags & _PROTECTION == self._protection and head.key_id == self.key_id
 
     def accepts(self, head: RecordHead) -> bool:
         """Whether this reader may serve `head`'s record a layer at a time: layered as its
         shape says, and protected the way this tier protects (a sealing tier serves sealed
-        layered records only, a signing tier signed ones, a plain one plain ones)."""
-        if not head.layered or head.flags & _PROTECTION != self._protection:
+        layered records only, a signing tier signed ones, a plain one plain ones), under its
+        key where records name one."""
+        if not head.layered or not self.owns(head):
             return False
         try:
             _layout(head)
@@ -358,7 +405,7 @@ class RecordCodec:
                 mac = self.signer.sign(namespace, signed_pieces(key, namespace, meta, body))
             sums = layer_sums(body, layers)  # of the body as stored: the ciphertext if sealed
             return encode_head(
-                key, namespace, meta, body, flags, time.time(), mac, layer_sums=sums
+                key, namespace, meta, body, flags, time.time(), mac, sums, self.key_id
             ), body
         if self.sealer is not None:
             body = self.sealer.seal(namespace, key + meta, body)
@@ -366,7 +413,9 @@ class RecordCodec:
         elif self.signer is not None:
             flags |= FLAG_SIGNED
             mac = self.signer.sign(namespace, signed_pieces(key, namespace, meta, body))
-        return encode_head(key, namespace, meta, body, flags, time.time(), mac), body
+        return encode_head(
+            key, namespace, meta, body, flags, time.time(), mac, key_id=self.key_id
+        ), body
 
     def tombstone(self, key: bytes, namespace: str) -> bytes:
         return encode_head(key, namespace, b"", b"", FLAG_TOMBSTONE, time.time())
@@ -406,6 +455,11 @@ class RecordCodec:
             # checksums are no proof of origin), and one cannot open what another sealed.
             found, expected = _describe(head.flags), _describe(self._protection)
             raise RejectedRecord(f"record is {found}; this tier expects {expected}")
+        if head.key_id != self.key_id:
+            # Another deployment's master key (a signature or seal would fail too, later and
+            # at the price of a pass over the body).
+            found, expected = head.key_id.hex() or "none", self.key_id.hex() or "none"
+            raise RejectedRecord(f"record names key id {found}; this tier's is {expected}")
         try:
             described = _described(head.meta)
         except ValueError as exc:
@@ -605,6 +659,9 @@ def _scatter(
             step(piece[done : done + n], target[at : at + n])
             done += n
             at += n
+
+
+_MODES = {0: "none", FLAG_SIGNED: "signed", FLAG_SEALED: "sealed"}
 
 
 def _describe(protection: int) -> str:

@@ -1,14 +1,23 @@
 """Remote tier on Redis (or Redis Cluster): one value per chunk, written and read in pipelines.
 
-Key scheme: `<prefix>:<namespace>:<hex key>`, or `<prefix>:{<namespace>}:<hex key>` with
-`hash_tag=True`, which puts all of a namespace's keys in one cluster slot (see docs/tiers.md).
-Each value is a `record.py` record: head (with the key and namespace inside, so a value moved
-under another name is refused) followed by the body, checksummed and optionally sealed.
+Key scheme: `<prefix>:<keyspace>:<namespace>:<hex key>`, or `<prefix>:<keyspace>:{<namespace>}:
+<hex key>` with `hash_tag=True`, which puts all of a namespace's keys in one cluster slot (see
+docs/tiers.md). The keyspace is the protection mode and the master key's id (`none`,
+`signed-<key id>`, `sealed-<key id>`). Each value is a `record.py` record: head (with the key,
+namespace and key id inside, so a value moved under another name is refused) followed by the
+body, checksummed and optionally sealed or signed.
 
-Budget: the tier counts the bytes (key + value) of the keys under its prefix, oldest first
+Ownership: replicas with another master key or mode write under other names, so they never
+meet; this tier writes, counts, evicts and deletes only names in its own keyspace. A value
+there that another key or mode wrote (moved by hand or by an attacker) is a miss that stays:
+the count neither holds nor evicts it, and a put does not replace it (a name the tier does not
+count is SET NX; a value already there is written over only when its head names this tier's
+key and mode, or is damaged).
+
+Budget: the tier counts the bytes (key + value) of the keys in its keyspace, oldest first
 (written or last read), and before a put would pass `capacity_bytes` it deletes the oldest of
 them (`on_full="evict"`) or refuses the put (`on_full="refuse"`). The count is rebuilt from a
-SCAN of the prefix at first contact and after every outage, so it stays exact across restarts
+SCAN of the keyspace at first contact and after every outage, so it stays exact across restarts
 of this process and of the server. Keys also expire after `ttl_s` unless read again.
 
 Failure: every call is bounded by `timeout_s` with no client-side retries. A connection error
@@ -47,7 +56,14 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
-from kvtier.tiers.record import LayerCheck, RecordCodec, RecordHead, deliver, parse_head
+from kvtier.tiers.record import (
+    LayerCheck,
+    RecordCodec,
+    RecordHead,
+    deliver,
+    head_len,
+    parse_head,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +71,11 @@ T = TypeVar("T")
 # enough for any head this package writes (keys, namespace, shape; a layered record's
 # 30-layer table adds about 250 bytes); a longer head is read whole instead
 _HEAD_PROBE_BYTES = 1024
-_UNREADABLE = "\x00unreadable"  # namespace slot for values under our prefix we cannot read
+# what a put reads of a value already under its name to tell whose it is: a head of any
+# model this package serves (a layered record's table takes 8 bytes a layer) fits; a value
+# with a longer head is left where it is
+_REPLACE_PROBE_BYTES = 1 << 16
+_UNREADABLE = "\x00unreadable"  # namespace slot for damaged values in our keyspace
 
 
 class _UncopiedValuesConnection(Connection):
@@ -124,7 +144,9 @@ class RedisTier(TierBackend):
         self.hash_tag = hash_tag
         self.on_full = on_full
         self.retry_after_s = retry_after_s
-        self._codec = RecordCodec(sealer, signer, layered=layered)
+        self._codec = RecordCodec(sealer, signer, layered=layered, name_key=True)
+        key_id = self._codec.key_id.hex()
+        self.keyspace = f"{self._codec.mode}-{key_id}" if key_id else self._codec.mode
         if sealer is None and signer is None:
             log.warning(
                 "%s: values in redis at %s are neither signed nor sealed: whoever can write "
@@ -161,7 +183,7 @@ class RedisTier(TierBackend):
 
     def redis_key(self, key: bytes, namespace: str) -> bytes:
         tagged = f"{{{namespace}}}" if self.hash_tag else namespace
-        return f"{self.prefix}:{tagged}:".encode() + key.hex().encode()
+        return f"{self.prefix}:{self.keyspace}:{tagged}:".encode() + key.hex().encode()
 
     def _put(self, key: bytes, payload: Payload, namespace: str) -> bool:
         result = self._put_batch([(key, payload)], namespace)[0]
@@ -221,7 +243,7 @@ class RedisTier(TierBackend):
         for a whole read, its TTL refreshed."""
         if not self._codec.layered:
             return [None] * len(keys)
-        px = None if self.ttl_s is None else int(self.ttl_s * 1000)
+        px = self._px()
 
         def probe(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -320,7 +342,8 @@ class RedisTier(TierBackend):
     def find(self, keys: Sequence[bytes], *, namespace: str = "") -> list[TierEntry | None]:
         """Which of `keys` the server holds, written by this process or any other: one
         pipeline of STRLEN (0: absent), then one of head reads for those present; each call
-        bounded by `timeout_s`. Heads that do not name the key asked for are not entries."""
+        bounded by `timeout_s`. Heads that do not name the key asked for, or this tier's
+        protection and key, are not entries."""
         try:
             rkeys = [self.redis_key(key, namespace) for key in keys]
             lengths = self._call(lambda client: _pipelined(client, "strlen", rkeys))
@@ -340,7 +363,12 @@ class RedisTier(TierBackend):
         for i, probe in zip(present, probes, strict=True):
             with contextlib.suppress(TierError, ValueError, TypeError):
                 head = parse_head(probe)
-                if head.key == keys[i] and head.namespace == namespace and not head.tombstone:
+                if (
+                    head.key == keys[i]
+                    and head.namespace == namespace
+                    and not head.tombstone
+                    and self._codec.owns(head)
+                ):
                     form = Payload.from_meta(None, 0, head.meta).form
                     found[i] = TierEntry(keys[i], namespace, head.payload_nbytes, form)
         return found
@@ -366,6 +394,7 @@ class RedisTier(TierBackend):
         # after it was set: (redis key, index of the item for a SET, or None for a DEL).
         commands: list[tuple[bytes, int | None]] = []
         evicted: list[tuple[tuple[str, bytes], _Held]] = []
+        fresh = set()  # items whose name this tier does not count: SET NX (see write)
         with self._lock:
             self._purge_expired()
             for index, ((key, payload), value) in enumerate(zip(items, values, strict=True)):
@@ -390,19 +419,24 @@ class RedisTier(TierBackend):
                 )
                 self._used += stored
                 commands.append((rkey, index))
+                if not replacing:
+                    fresh.add(index)
         self._report(evicted)
 
         def write(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            px = None if self.ttl_s is None else int(self.ttl_s * 1000)
             for rkey, index in commands:
                 if index is None:
                     pipe.delete(rkey)
                 else:
-                    pipe.set(rkey, values[index], px=px)
+                    # A name this tier counts holds its own value: written over. Any other
+                    # is set only if empty (NX), the common case, and a value already there
+                    # is replaced once its head says whose it is (`_replace`).
+                    pipe.set(rkey, values[index], px=self._px(), nx=index in fresh)
             return pipe.execute(raise_on_error=False)
 
         replies = self._call(write)
+        taken = []
         for (_, index), reply in zip(commands, replies, strict=True):
             if index is None:
                 continue
@@ -410,16 +444,79 @@ class RedisTier(TierBackend):
                 with self._lock:
                     self._drop((namespace, items[index][0]))
                 results[index] = TierError(f"SET refused: {reply}")
+            elif reply is None:  # NX: the name holds a value already
+                taken.append(index)
             else:
                 results[index] = True
+        replaced = self._replace(items, values, taken, namespace)
+        for index, result in zip(taken, replaced, strict=True):
+            results[index] = result
         return results
+
+    def _replace(
+        self,
+        items: Sequence[tuple[bytes, Payload]],
+        values: Sequence[bytes],
+        taken: Sequence[int],
+        namespace: str,
+    ) -> list[bool | BaseException]:
+        """Write `items[i]` (i in `taken`) over the value its name already holds when that
+        value's head says this tier's key and mode wrote it for this name (the same chunk:
+        keys are content addresses), or when it is damaged (every reader sees that); a value
+        another key or mode wrote stays, and its put is refused as a RejectedRecord."""
+        if not taken:
+            return []
+        rkeys = [self.redis_key(items[i][0], namespace) for i in taken]
+        probes = self._call(
+            lambda client: _pipelined(client, "getrange", rkeys, 0, _REPLACE_PROBE_BYTES - 1)
+        )
+        results: dict[int, bool | BaseException] = {}
+        rewrite = []
+        with self._lock:
+            for i, probe in zip(taken, probes, strict=True):
+                key = items[i][0]
+                if (namespace, key) not in self._held:
+                    # Evicted by a later item of this batch, its DEL already sent: as if set
+                    # and then evicted, like any other item of the batch.
+                    results[i] = True
+                elif self._may_replace(key, namespace, probe):
+                    rewrite.append(i)
+                else:
+                    self._drop((namespace, key))
+                    results[i] = RejectedRecord("the name holds a value of another key or mode")
+        pairs = [(self.redis_key(items[i][0], namespace), values[i]) for i in rewrite]
+        replies = self._call(lambda client: _pipelined_sets(client, pairs, self._px()))
+        for i, reply in zip(rewrite, replies, strict=True):
+            results[i] = True
+            if isinstance(reply, BaseException):
+                with self._lock:
+                    self._drop((namespace, items[i][0]))
+                results[i] = TierError(f"SET refused: {reply}")
+        return [results[i] for i in taken]
+
+    def _may_replace(self, key: bytes, namespace: str, probe: Any) -> bool:
+        """Whether a put of `key` may write over the value whose first bytes are `probe` (see
+        `_replace`); a value gone since the SET NX may be written too."""
+        if probe == b"":
+            return True
+        if not isinstance(probe, bytes):
+            return False  # the probe failed: whose it is is unknown
+        try:
+            if head_len(probe) > len(probe):
+                return False  # a head longer than the probe: whose it is is unknown
+            head = parse_head(probe)
+        except CorruptRecord:
+            return True  # damage every reader sees
+        except TierError:
+            return False  # a format this reader does not know: a newer writer's
+        return head.key == key and head.namespace == namespace and self._codec.owns(head)
 
     def _get_batch(
         self, keys: Sequence[bytes], namespace: str, outs: Sequence[torch.Tensor | None]
     ) -> list[Payload | BaseException | None]:
         def read(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            px = None if self.ttl_s is None else int(self.ttl_s * 1000)
+            px = self._px()
             for key in keys:
                 # GETEX refreshes the TTL: a chunk that is read stays, like an LRU.
                 pipe.getex(self.redis_key(key, namespace), px=px)
@@ -440,8 +537,10 @@ class RedisTier(TierBackend):
                 if isinstance(result, Payload) and (namespace, key) in self._held:
                     self._held.move_to_end((namespace, key))
                     self._held[(namespace, key)].expires_at = self._expiry()
-                elif result is None or key in corrupt:
-                    # Gone (expired, evicted by the server, lost in a restart) or damaged.
+                elif result is None or isinstance(result, CorruptRecord | RejectedRecord):
+                    # Gone (expired, evicted by the server, lost in a restart), damaged (and
+                    # deleted below), or not this tier's (a value another key wrote, moved
+                    # under this name): not counted, so never evicted either.
                     self._drop((namespace, key))
         if corrupt:
             # Damage every reader sees (a checksum or a length): remove it (best effort; the
@@ -551,9 +650,10 @@ class RedisTier(TierBackend):
         self._resync = True
 
     def _rebuild(self, client: Any) -> None:
-        """Recount the keys under our prefix from the server (SCAN + one pipeline)."""
+        """Recount the keys in our keyspace from the server (SCAN + one pipeline)."""
         started = time.monotonic()
-        rkeys = list(client.scan_iter(match=f"{self.prefix}:*".encode(), count=1000))
+        match = f"{self.prefix}:{self.keyspace}:*".encode()
+        rkeys = list(client.scan_iter(match=match, count=1000))
         pipe = client.pipeline(transaction=False)
         for rkey in rkeys:
             pipe.strlen(rkey)
@@ -568,13 +668,21 @@ class RedisTier(TierBackend):
                 continue  # vanished between SCAN and now
             expires = now + pttl / 1000 if isinstance(pttl, int) and pttl > 0 else float("inf")
             written_at, entry, nbytes, form = 0.0, (_UNREADABLE, bytes(rkey)), 0, ""
-            with contextlib.suppress(TierError, ValueError):
+            try:
                 head = parse_head(probe)
-                if self.redis_key(head.key, head.namespace) == rkey:
-                    written_at, entry = head.written_at, (head.namespace, head.key)
-                    nbytes = head.payload_nbytes
+            except CorruptRecord:
+                pass  # damage every reader sees: counted, and first to be evicted
+            except TierError:
+                continue  # a newer writer's format: not this tier's to count or evict
+            else:
+                if self.redis_key(head.key, head.namespace) != rkey or not self._codec.owns(head):
+                    continue  # another key's or mode's value under this name: likewise
+                try:
                     form = Payload.from_meta(None, 0, head.meta).form
-            # Values we cannot serve still take room: counted, and first to be evicted.
+                except ValueError:
+                    continue  # a form or dtype of a newer writer: likewise
+                written_at, entry = head.written_at, (head.namespace, head.key)
+                nbytes = head.payload_nbytes
             held = _Held(bytes(rkey), len(rkey) + length, expires, started, nbytes, form)
             found.append((written_at, entry, held))
         found.sort(key=lambda item: item[0])
@@ -596,11 +704,12 @@ class RedisTier(TierBackend):
             self._budget_checked = True
             self._check_server_budget(client)
         log.info(
-            "%s: counted %d keys (%d bytes) under %s:*",
+            "%s: counted %d keys (%d bytes) under %s:%s:*",
             self.name,
             len(found),
             self._used,
             self.prefix,
+            self.keyspace,
         )
 
     def _check_server_budget(self, client: Any) -> None:
@@ -625,6 +734,10 @@ class RedisTier(TierBackend):
             )
 
     # -- bookkeeping (under self._lock) --------------------------------------------------
+
+    def _px(self) -> int | None:
+        """The TTL every write and read sets, in milliseconds (PX), or None without one."""
+        return None if self.ttl_s is None else int(self.ttl_s * 1000)
 
     def _expiry(self) -> float:
         return float("inf") if self.ttl_s is None else time.time() + self.ttl_s
@@ -657,6 +770,14 @@ class RedisTier(TierBackend):
         if held is not None:
             self._used -= held.stored_bytes
         return held is not None
+
+
+def _pipelined_sets(client: Any, pairs: Sequence[tuple[bytes, bytes]], px: int | None) -> list[Any]:
+    """SET of every (redis key, value) pair in one pipeline, with the TTL `px`."""
+    pipe = client.pipeline(transaction=False)
+    for rkey, value in pairs:
+        pipe.set(rkey, value, px=px)
+    return pipe.execute(raise_on_error=False)
 
 
 def _pipelined(client: Any, command: str, rkeys: Sequence[bytes], *args: Any) -> list[Any]:

@@ -269,7 +269,8 @@ class TieredStore:
         """Load a chunk back for the caller (into `out` when given); it stays where it is.
 
         None when the store does not have it, or when `attempts` reads all failed (corrupt,
-        timed out, tier down); the chunk is then forgotten, and the caller recomputes it.
+        timed out, tier down); the chunk is then forgotten (and deleted, but from a shared
+        tier), and the caller recomputes it.
         """
         failures = 0
         while True:
@@ -296,7 +297,11 @@ class TieredStore:
                 if failures < attempts:
                     continue
                 self._unindex(chunk)
-            source.delete(chunk, namespace=placement.namespace)
+            # A shared tier's value is only forgotten: what fails this reader's check may be
+            # another process's to serve (this one may be the misconfigured one), and damage
+            # every reader sees that tier deletes on the read itself.
+            if not source.shared:
+                source.delete(chunk, namespace=placement.namespace)
             return None
 
     def demote(self, chunk: bytes, to: str | None = None, form: str | None = None) -> bool:
