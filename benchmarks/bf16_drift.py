@@ -8,7 +8,7 @@ prompts both ways through `Engine.score` (512-token chunks, so every position pa
 chunk has a merged past) and prints the mean and max |logit difference| and the top-1
 agreement with transformers at positions >= 512:
 
-    flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
+    env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/bf16_drift.py
 """
 

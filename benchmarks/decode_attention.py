@@ -12,7 +12,7 @@ so that torch's OpenMP workers are awake (and spinning) when attention starts; t
 alone are timed too. Prints min and median ms per token (all layers) over `--repeats`, and
 the largest difference between the outputs of the old path and the kernel:
 
-    flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
+    env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/decode_attention.py --threads 2
 """
 

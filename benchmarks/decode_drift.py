@@ -8,7 +8,7 @@ transformers' float32 logits at the same positions of the same token sequence (t
 forced: each path is held against the reference on the tokens it generated). Prints the mean
 and max |logit difference| and the top-1 agreement:
 
-    flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
+    env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/decode_drift.py
 """
 

@@ -1,6 +1,6 @@
 """How close a session restored from a quantized tier form is to recomputing it.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/form_fidelity.py \
+    .venv/bin/python benchmarks/form_fidelity.py \
         --out out/form_fidelity.json [--tokens 1536] [--prompts 3] [--new 32] [--threads 1]
 
 One engine (the embedded SmolLM2, bf16). Per prompt (`--tokens` of the packaged prose, from a

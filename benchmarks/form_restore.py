@@ -1,6 +1,6 @@
 """What one stored chunk costs to bring back from disk, per form: the read and the decode.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/form_restore.py \
+    .venv/bin/python benchmarks/form_restore.py \
         [--forms full,int8,int4] [--chunks 16] [--repeats 5]
 
 `--chunks` chunks of 256 tokens of the embedded SmolLM2's KV geometry (random bfloat16

@@ -6,7 +6,7 @@ past (the chunk's queries folded on the KV heads against every earlier key). Pri
 median time of each part summed over a 2K and an 8K prompt's chunks, and the error of both
 against float64 attention of the same bf16 inputs:
 
-    flock /tmp/kvtier-measure.lock env PYTHONPATH=$PWD/src .venv/bin/python \\
+    env PYTHONPATH=$PWD/src .venv/bin/python \\
         benchmarks/prefill_attention.py --threads 2
 """
 

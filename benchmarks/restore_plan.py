@@ -1,6 +1,6 @@
 """A resumed session behind a slow link: pure load vs pure recompute vs the restore plan.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/restore_plan.py \
+    .venv/bin/python benchmarks/restore_plan.py \
         --out out/restore_plan.json [--tokens 1024] [--link-mb-s 8] [--repeats 3] [--threads 1]
 
 On this CPU every real tier loads KV about 70x faster than the model recomputes it (see

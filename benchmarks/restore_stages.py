@@ -1,6 +1,6 @@
 """Where a resumed session's TTFT goes: the restore's stages, per source, from a profile.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/restore_stages.py \
+    .venv/bin/python benchmarks/restore_stages.py \
         [--tokens 4096] [--repeats 3] [--threads 1] [--form full]
 
 The same turn as `benchmarks/resume.py` (turn 1 prefills `--tokens`, the session is moved to

@@ -1,6 +1,6 @@
 """TTFT of a resumed long session: KV restored from host, disk, Redis, or recomputed.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/resume.py \
+    .venv/bin/python benchmarks/resume.py \
         --out out/resume_bench.json [--tokens 4096] [--repeats 3] [--threads 1] \
         [--form full,int8,int4] [--pipeline chunk,layer] [--cold-disk] [--no-prefault] \
         [--integrity none|mac|encrypt]

@@ -18,7 +18,7 @@ TTFT is send -> first chunk with text; ITL the gaps between chunks with text. Ea
 both setups (alternating which goes first) from a cold prefix cache; reported figures are the
 medians over repeats of each repeat's p50 / p99. Overhead = HTTP / in-process - 1.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/serve_overhead.py \\
+    .venv/bin/python benchmarks/serve_overhead.py \\
         --threads 1 --sessions 4 --repeats 5 --out out/serve_overhead.json
 """
 

