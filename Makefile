@@ -1,11 +1,12 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first;
-# re-running skips the install unless pyproject.toml or constraints.txt changed.
+# re-running skips the install unless pyproject.toml or constraints.txt changed. While working,
+# `make check` runs the unit-level tests in a few minutes.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: setup system model demo test lint format clean vllm gpu-wheels
+.PHONY: setup system model demo test check lint format clean vllm gpu-wheels
 
 setup: $(STAMP)
 
@@ -72,6 +73,11 @@ system:
 
 test: model system
 	$(BIN)/pytest -q
+
+# The unit-level tests: what `make test` runs but the `slow` ones (vLLM, servers started as
+# processes, long model runs; `@pytest.mark.slow`). At most 3 minutes on 2 cores.
+check: model
+	$(BIN)/pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
