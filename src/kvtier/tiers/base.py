@@ -108,7 +108,8 @@ class TierStats:
         # entries the backend dropped on its own to stay within budget (disk GC, Redis)
         self.evicted = 0
         # reads that met a CorruptRecord (then dropped) or a RejectedRecord (then left in
-        # place); both are counted in `errors` too
+        # place), and puts refused by a RejectedRecord (a value of another key or mode under
+        # the name, left as it is); both are counted in `errors` too
         self.corrupt = 0
         self.rejected = 0
         self.get_latency = LatencyHistogram()
