@@ -61,3 +61,18 @@ def test_tier_budgets_and_decisions_come_from_the_engine_stats():
     assert metric(text, "kvtier:tier_used_bytes", tier="host") == 100
     assert metric(text, "kvtier:tier_capacity_bytes", tier="host") == 1000
     assert metric(text, "kvtier:policy_decisions_total", policy="cost", decision="move") == 2
+
+
+def test_tier_errors_are_counted_by_reason_every_reason_from_the_start():
+    metrics = ServerMetrics("smollm2")
+    tiers = {
+        "tiers": {
+            "host": {"used_bytes": 0, "capacity_bytes": 1000, "chunks": 0},
+            "disk": {"errors_by_reason": {"no_space": 3}},
+        }
+    }
+    stats = EngineStats(0, 0, 16, 0, 0, 0.0, 0, 0, 0, 0, 0, tiers=tiers)
+    text = metrics.render(stats, []).decode()
+    errors = "kvtier:tier_errors_total"
+    assert metric(text, errors, tier="disk", reason="no_space") == 3
+    assert f'{errors}{{model_name="smollm2",reason="io",tier="host"}} 0.0' in text

@@ -16,6 +16,7 @@ _TIER_FIELDS = (
     "hits",
     "misses",
     "errors",
+    "errors_by_reason",
 )
 
 

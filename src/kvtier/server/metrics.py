@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtier.tiers.base import ERROR_REASONS
 from kvtier.tiers.vocab import LOWER_TIERS, SOURCES
 
 if TYPE_CHECKING:
@@ -127,10 +128,19 @@ class TierCollector:
             "kvtier:tier_capacity_bytes", "A KV tier's budget in bytes.", labels=labels
         )
         chunks = GaugeMetricFamily("kvtier:tier_chunks", "Chunks a KV tier holds.", labels=labels)
+        errors = CounterMetricFamily(
+            "kvtier:tier_errors",
+            "Failed KV tier operations, by reason: no_space (filesystem full), io (another "
+            "OS error), corrupt, rejected, failed (tier down, record gone), unexpected.",
+            labels=[*labels, "reason"],
+        )
         for tier, figures in self.tiers.get("tiers", {}).items():
             used.add_metric([self.model_name, tier], figures.get("used_bytes", 0))
             capacity.add_metric([self.model_name, tier], figures.get("capacity_bytes", 0))
             chunks.add_metric([self.model_name, tier], figures.get("chunks", 0))
+            counted = figures.get("errors_by_reason", {})
+            for reason in ERROR_REASONS:  # every series exists from the start, at 0
+                errors.add_metric([self.model_name, tier, reason], counted.get(reason, 0))
         decisions = CounterMetricFamily(
             "kvtier:policy_decisions",
             "Retention policy decisions about paused sessions' KV, by kind.",
@@ -139,7 +149,7 @@ class TierCollector:
         policy = str(self.tiers.get("policy", ""))
         for decision, count in self.tiers.get("decisions", {}).items():
             decisions.add_metric([self.model_name, policy, decision], count)
-        yield from (used, capacity, chunks, decisions)
+        yield from (used, capacity, chunks, errors, decisions)
 
 
 class ServerMetrics:

@@ -13,9 +13,11 @@ another) and use it to pick the per-tenant encryption key.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EvictListener = Callable[[bytes, str], None]
+_WRITES = ("put", "delete")  # the operations that write (a durable delete appends a tombstone)
 
 
 class TierError(Exception):
@@ -76,6 +79,25 @@ class TierEntry:
     form: str
 
 
+# errnos of a filesystem with no room left for a write (or a quota reached)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+ERROR_REASONS = ("no_space", "io", "corrupt", "rejected", "failed", "unexpected")
+
+
+def error_reason(exc: BaseException) -> str:
+    """Why a tier operation failed, in the words of the `tier_errors_total` metric's `reason`
+    label: `no_space` (the filesystem is full), `io` (another OS error), `corrupt`,
+    `rejected`, `failed` (another TierError: a tier down, a record gone) or `unexpected` (a
+    bug: logged with its traceback)."""
+    if isinstance(exc, CorruptRecord):
+        return "corrupt"
+    if isinstance(exc, RejectedRecord):
+        return "rejected"
+    if isinstance(exc, OSError):
+        return "no_space" if exc.errno in _NO_SPACE else "io"
+    return "failed" if isinstance(exc, TierError) else "unexpected"
+
+
 class TierStats:
     """Counters of one tier; `snapshot()` is what metrics and benchmarks read."""
 
@@ -112,6 +134,8 @@ class TierStats:
         # the name, left as it is); both are counted in `errors` too
         self.corrupt = 0
         self.rejected = 0
+        # every error by `error_reason` (the metric's label)
+        self.errors_by_reason: Counter[str] = Counter()
         self.get_latency = LatencyHistogram()
         self.put_latency = LatencyHistogram()
         self._lock = threading.Lock()
@@ -121,9 +145,18 @@ class TierStats:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
 
+    def error(self, reason: str) -> None:
+        """Count one failed operation, for `reason` (`error_reason`)."""
+        with self._lock:
+            self.errors += 1
+            self.errors_by_reason[reason] += 1
+            if reason in ("corrupt", "rejected"):
+                setattr(self, reason, getattr(self, reason) + 1)
+
     def snapshot(self) -> dict[str, object]:
         with self._lock:
             counters: dict[str, object] = {name: getattr(self, name) for name in self._COUNTERS}
+            counters["errors_by_reason"] = dict(self.errors_by_reason)
         counters["get_latency"] = self.get_latency.snapshot()
         counters["put_latency"] = self.put_latency.snapshot()
         return counters
@@ -140,6 +173,10 @@ class TierBackend(ABC):
         self.on_evict: EvictListener | None = None
         self._pending_evictions: list[tuple[bytes, str]] = []
         self._pending_lock = threading.Lock()
+        # writes failed with an OS error since the last one that succeeded: an episode of a
+        # full or failing filesystem, logged once when it starts and once when it ends
+        self._failing_writes = 0
+        self._failing_lock = threading.Lock()
 
     # -- what a backend implements -------------------------------------------------------
 
@@ -295,6 +332,7 @@ class TierBackend(ABC):
             self._failed("put", key, result)
             return False
         if result:
+            self._writes_recovered()
             self.stats.add(writes=1, bytes_written=payload.nbytes)
         else:
             self.stats.add(refused=1)
@@ -314,18 +352,39 @@ class TierBackend(ABC):
         return result
 
     def _failed(self, op: str, key: bytes, exc: BaseException) -> None:
-        if isinstance(exc, CorruptRecord):
-            self.stats.add(errors=1, corrupt=1)
-        elif isinstance(exc, RejectedRecord):
-            self.stats.add(errors=1, rejected=1)
-        else:
-            self.stats.add(errors=1)
-        if isinstance(exc, TierError | OSError):
+        reason = error_reason(exc)
+        self.stats.error(reason)
+        if isinstance(exc, OSError) and op in _WRITES:
+            self._write_failed(op, exc, reason)
+        elif isinstance(exc, TierError | OSError):
             # Expected failures are counted, not logged one by one: an outage would flood the
             # log. Backends log their own state changes (Redis down/up) once.
             log.debug("%s %s %s failed: %s", self.name, op, key.hex()[:16], exc)
         else:
             log.error("%s %s %s failed unexpectedly", self.name, op, key.hex()[:16], exc_info=exc)
+
+    def _write_failed(self, op: str, exc: OSError, reason: str) -> None:
+        """A write the filesystem refused (full, read-only, failing): the operator must hear
+        of it, but once per episode, not once per chunk."""
+        with self._failing_lock:
+            self._failing_writes += 1
+            first = self._failing_writes == 1
+        if first:
+            log.warning(
+                "%s: writes are failing (%s: %s); chunks are not stored until they succeed "
+                "again, reads go on (counted as tier_errors_total{tier=%r, reason=%r})",
+                self.name,
+                op,
+                exc.strerror or exc,
+                self.name,
+                reason,
+            )
+
+    def _writes_recovered(self) -> None:
+        with self._failing_lock:
+            failed, self._failing_writes = self._failing_writes, 0
+        if failed:
+            log.info("%s: writes succeed again, after %d failed", self.name, failed)
 
     def _evicted(self, key: bytes, namespace: str) -> None:
         """Called by backends (under their own locks) for each entry they drop by themselves."""

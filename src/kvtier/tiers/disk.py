@@ -12,6 +12,12 @@ caches work (CacheLib's BlockCache, Kangaroo).
 With `persist=True` the files outlive `close()` and are scanned back into the index at the next
 start (deletes write a small tombstone so they stay deleted); without it they are removed on
 `close()` and any left by a crashed run are removed at start.
+
+The budget must fit on the filesystem: at start a budget larger than the free space (plus what
+the tier's own segments already take) is capped to it, with a warning, so the tier collects its
+oldest segments instead of filling the filesystem. A write the filesystem still refuses (the
+space taken by something else since) fails that put, and is logged and counted by reason
+(`TierBackend._failed`); reads go on.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from time import perf_counter
 
 import torch
 
+from kvtier.errors import KvtierError
 from kvtier.tiers.base import CorruptRecord, LayerRead, TierBackend, TierEntry, TierError
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload, aligned_bytes, as_buffer, empty_bytes
@@ -52,6 +59,8 @@ from kvtier.tiers.segment import (
 log = logging.getLogger(__name__)
 
 _MAX_SEGMENT_BYTES = 256 * 2**20
+_MIN_SEGMENTS = 8  # a budget holds at least this many segments (see `segment_bytes`)
+_MIN_CAPACITY = 4 * HEADER_BYTES
 
 
 @dataclass(slots=True)
@@ -90,13 +99,14 @@ class DiskTier(TierBackend):
             model's layer slices are: those tiers keep whole-record reads).
         """
         super().__init__(name)
-        if capacity_bytes < 4 * HEADER_BYTES:
+        if capacity_bytes < _MIN_CAPACITY:
             raise ValueError("disk tier capacity must be at least 16 KiB")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._capacity = capacity_bytes
+        self._capacity = self._within_free_space(capacity_bytes)
         self.segment_bytes = max(
-            2 * HEADER_BYTES, min(segment_bytes or _MAX_SEGMENT_BYTES, capacity_bytes // 8)
+            2 * HEADER_BYTES,
+            min(segment_bytes or _MAX_SEGMENT_BYTES, self._capacity // _MIN_SEGMENTS),
         )
         self.persist = persist
         self.compact_below = compact_below
@@ -395,6 +405,36 @@ class DiskTier(TierBackend):
             self.used_bytes,
         )
 
+    def _within_free_space(self, budget: int) -> int:
+        """`budget`, or what the filesystem can hold when that is less: its free space plus
+        the segments here now (recovered, or removed at start), less one filesystem block per
+        segment file for the rounding of file sizes. A budget past that would have the tier
+        count room that is not there: the filesystem fills and every write fails, where a
+        smaller budget makes GC collect the oldest segment and go on caching."""
+        fs = os.statvfs(self.directory)
+        held = sum(path.stat().st_size for path in self._segment_paths())
+        free = fs.f_bavail * fs.f_frsize
+        files = _MIN_SEGMENTS + (free + held) // _MAX_SEGMENT_BYTES + 2
+        room = (free + held - files * fs.f_frsize) // DIRECT_ALIGN * DIRECT_ALIGN
+        if budget <= room:
+            return budget
+        if room < _MIN_CAPACITY:
+            raise KvtierError(
+                f"disk tier {self.directory}: its filesystem has {_mib(free)} free, less than "
+                f"the {_mib(_MIN_CAPACITY)} a disk tier needs; free some space or choose "
+                "another directory"
+            )
+        log.warning(
+            "%s: the disk budget of %s is more than its filesystem can hold (%s free, %s in "
+            "this tier's segments): capped to %s",
+            self.directory,
+            _mib(budget),
+            _mib(free),
+            _mib(held),
+            _mib(room),
+        )
+        return room
+
     def _take_directory_lock(self) -> int:
         """One tier per directory: a second writer would interleave appends and corrupt both."""
         fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
@@ -406,6 +446,10 @@ class DiskTier(TierBackend):
                 raise RuntimeError(f"{self.directory} is in use by another disk tier") from exc
             raise
         return fd
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _check_same(found: memoryview, expected: RecordHead) -> None:
