@@ -56,6 +56,7 @@ class ServeProcess:
         self.flags = flags
         self.process: subprocess.Popen | None = None
         self.base_url = ""
+        self.returncode: int | None = None  # once stopped or killed
 
     def start(self, timeout: float = 120.0) -> ServeProcess:
         argv = [str(BIN / "kvtier"), "serve", "--host", "127.0.0.1", "--port", "0"]
@@ -84,14 +85,14 @@ class ServeProcess:
         """SIGTERM, as a service manager stops it: in-flight requests drain, tiers close."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
+            self.returncode = self.process.wait(timeout=60)
         self.process = None
 
     def kill(self) -> None:
         """SIGKILL: a replica that dies without a word."""
         if self.process is not None:
             self.process.kill()
-            self.process.wait()
+            self.returncode = self.process.wait()
         self.process = None
 
     def metrics(self) -> str:

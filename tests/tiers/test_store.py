@@ -155,3 +155,54 @@ def test_a_payload_larger_than_a_tier_is_refused_without_evicting_anything() -> 
     store.put(chunk(0), Payload.sized(CHUNK))
     assert not store.put(chunk(1), Payload.sized(5 * CHUNK))
     assert store.locate(chunk(0).id) is not None
+
+
+def test_a_host_with_a_disk_copy_serves_reads_and_its_chunks_outlive_it(
+    tmp_path, make_payload, same
+) -> None:
+    payloads = [make_payload(seed=i) for i in range(3)]
+    host = HostTier(4 * CHUNK, slot_bytes=CHUNK)
+    disk = DiskTier(tmp_path, 1 << 20, persist=True)
+    store = TieredStore([host, disk], copy_to={"host": "disk"})
+    for i, payload in enumerate(payloads):
+        assert store.put(chunk(i), payload)
+    assert {store.locate(chunk(i).id).tier for i in range(3)} == {"host"}  # reads: host
+    assert disk.stats.writes == 3 and store.copy_bytes("disk") == 3 * CHUNK
+    assert store.snapshot()["moves"]["host->disk:copy"]["ops"] == 3
+
+    assert store.demote(chunk(0).id)  # into the copy's tier: the copy is taken, no write
+    assert store.locate(chunk(0).id).tier == "disk" and disk.stats.writes == 3
+    assert not host.contains(chunk(0).id, namespace="t")
+    assert store.copy_bytes("disk") == 2 * CHUNK
+    assert same(store.promote(chunk(0).id), payloads[0])
+    store.delete(chunk(1).id)  # gone from both
+    assert not disk.contains(chunk(1).id, namespace="t")
+    host.close()
+    disk.close()  # the process ends: host memory is lost, the copies are not
+
+    disk = DiskTier(tmp_path, 1 << 20, persist=True)
+    store = TieredStore([HostTier(4 * CHUNK, slot_bytes=CHUNK), disk])
+    assert store.recover() == 2
+    assert same(store.promote(chunk(0).id), payloads[0])
+    assert same(store.promote(chunk(2).id), payloads[2])
+    disk.close()
+
+
+def test_a_copy_the_disk_gc_evicts_only_leaves_the_chunk_without_one(
+    tmp_path, make_payload, same
+) -> None:
+    host = HostTier(64 * CHUNK, slot_bytes=CHUNK)
+    disk = DiskTier(tmp_path, 256 * 1024)
+    store = TieredStore([host, disk], copy_to={"host": "disk"})
+    payloads = [make_payload(seed=i) for i in range(40)]
+    for i, payload in enumerate(payloads):
+        store.put(chunk(i), payload)
+    assert disk.stats.evicted > 0
+    assert store.locate(chunk(0).id).copy is None  # its copy was collected
+    assert same(store.promote(chunk(0).id), payloads[0])  # the host still has it
+    assert store.copy_bytes("disk") == len(disk.entries()) * CHUNK
+    assert store.demote(chunk(0).id)  # written to disk now, as without copies
+    assert store.locate(chunk(0).id).tier == "disk"
+    assert same(store.promote(chunk(0).id), payloads[0])
+    host.close()
+    disk.close()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 RestoreMode = Literal["load", "plan", "recompute"]
 RestorePipeline = Literal["chunk", "layer"]
 WriteThrough = bool | Literal["selective"]
+DiskCopy = Literal["on_write", "on_shutdown"]
 Integrity = Literal["mac", "encrypt", "none"]
 
 TIER_NAMES = LOWER_TIERS  # top first
@@ -64,6 +65,17 @@ class TiersConfig:
     restore" (signed and sealed records too: each layer's checksum, the signature or the
     seal's tag with the last layer). Quantized forms, the host tier, O_DIRECT disk tiers and
     engines whose forward does not wait per layer (vLLM) keep the whole-chunk path.
+    `disk_copy`, with a persistent disk tier (`disk_persist`) under a host tier: "on_write"
+    copies each chunk the host tier takes to disk as well, right after it on the same worker,
+    so it survives the process, a kill -9 included (SGLang HiCache's `write_through` from host
+    to storage; LMCache writes its local disk backend on every store too); the host copy
+    serves reads, and a demotion to disk takes the copy with no write. "on_shutdown" writes
+    the host's chunks to disk only when they are demoted and at shutdown (HiCache's
+    `write_back`): no second write of every spill, but a kill -9 loses the host's chunks.
+    `shutdown_flush_s`: with a persistent disk tier, `close()` (a graceful shutdown) spends at
+    most this long writing to disk what would be lost with the process: the writes still
+    queued, the chunks of cached device blocks no tier holds, and the host's chunks without
+    a copy on disk; 0 skips it.
     `encrypt` seals disk and remote records with `encrypt_key` (AES-GCM; a random per-process
     key without one). `integrity`, how the remote tier protects its values: "encrypt"
     (sealed), "mac" (signed with `encrypt_key`: readable, but nobody without the key can
@@ -76,6 +88,8 @@ class TiersConfig:
     disk_dir: str | Path | None = None
     disk_persist: bool = False  # keep the disk tier's chunks across restarts (and recover them)
     disk_backend: str = "segments"  # an implementation of kvtier.tiers.factory.DISK_BACKENDS
+    disk_copy: DiskCopy = "on_write"
+    shutdown_flush_s: float = 10.0
     redis_url: str | None = None
     redis_bytes: int = 1 << 30
     redis_prefix: str = "kvt"
@@ -133,6 +147,13 @@ class TiersConfig:
             )
         if not self.restore_deadline_s >= 0:
             raise KvtierError("tiers.restore_deadline_s must be >= 0")
+        if self.disk_copy not in ("on_write", "on_shutdown"):
+            raise KvtierError(
+                f"tiers.disk_copy must be on_write or on_shutdown, got {self.disk_copy!r}"
+            )
+        flush = self.shutdown_flush_s
+        if isinstance(flush, bool) or not isinstance(flush, int | float) or not flush >= 0:
+            raise KvtierError(f"tiers.shutdown_flush_s must be a number >= 0, got {flush!r}")
         if self.disk_backend not in DISK_BACKENDS:
             raise KvtierError(
                 f"tiers.disk_backend: unknown {self.disk_backend!r}; "

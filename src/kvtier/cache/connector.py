@@ -11,7 +11,11 @@ putting together parts that each have one job:
 - `cache/spill.py`: blocks copied out on eviction, preemption (swap-out) and finish
   (write-through);
 - `cache/policy_runner.py`: the retention policy, on a timer and under pressure;
+- `cache/shutdown_flush.py`: what a persistent disk tier receives at `close()`;
 - `cache/stats.py`: the report.
+
+With a persistent disk tier (`disk_persist`) under the host, the store copies the host's
+chunks to disk as they are written (`disk_copy = "on_write"`, `TieredStore`'s `copy_to`).
 
 Built from configuration alone (`TieredConnector(tiers, policy, policy_config)`); the pool's
 geometry arrives when an engine binds it (`Engine(config, connector=...)`, or
@@ -30,6 +34,7 @@ from kvtier.cache.config import TiersConfig
 from kvtier.cache.forms import FULL, ChunkForms
 from kvtier.cache.policy_runner import PolicyRunner
 from kvtier.cache.restore import Restorer
+from kvtier.cache.shutdown_flush import flush_to_disk
 from kvtier.cache.spill import Spiller
 from kvtier.cache.stats import connector_stats
 from kvtier.cache.writes import BackgroundWrites
@@ -38,7 +43,7 @@ from kvtier.engine.request import Request
 from kvtier.errors import KvtierError
 from kvtier.tiers import Mover, Payload, TieredStore
 from kvtier.tiers.factory import build_tiers
-from kvtier.tiers.vocab import SOURCES
+from kvtier.tiers.vocab import DISK, HOST, SOURCES
 
 if TYPE_CHECKING:
     from kvtier.policy.base import RetentionPolicy
@@ -92,12 +97,17 @@ class TieredConnector:
         tiers = build_tiers(config.storage(host_slot_bytes=slot, layered=layered))
         # tier -> the quantized form its chunks are stored in (the worker encodes on the way in)
         self.tier_forms = {t.name: forms[t.name] for t in tiers if forms[t.name] != FULL}
+        names = {t.name for t in tiers}
+        # a disk tier that outlives the process gets what memory would lose with it
+        self.persistent = config.disk_persist and DISK in names
+        copies = self.persistent and HOST in names and config.disk_copy == "on_write"
         self.store = TieredStore(
             tiers,
             block_tokens=self.block_size,
             chunk_tokens=config.chunk_tokens,
             forms=self.tier_forms,
             recode=self.chunk_forms.recode,
+            copy_to={HOST: DISK} if copies else None,
         )
         self.store.recover()  # what a persistent disk tier and Redis kept from earlier runs
         self.mover = Mover(self.store, spill_queue=config.spill_queue, retries=config.retries)
@@ -130,6 +140,16 @@ class TieredConnector:
             self.tokens,
         )
         self.restorer.layered = layered
+        if self.persistent:
+            how = "as they are written" if copies else "when demoted"
+            log.info(
+                "persistent disk tier%s; at close, up to %g s writing to it what memory holds "
+                "(tiers.shutdown_flush_s)",
+                f": the host's chunks copied to it {how} (tiers.disk_copy)"
+                if HOST in names
+                else "",
+                config.shutdown_flush_s,
+            )
 
     # ----- what the policy runner and tools use ------------------------------------------
 
@@ -264,6 +284,11 @@ class TieredConnector:
             self._closed = True
             return
         self._closed = True
+        if self.persistent and self.config.shutdown_flush_s > 0:
+            try:
+                flush_to_disk(self, self.config.shutdown_flush_s)
+            except Exception:  # what is not written is recomputed after the restart
+                log.exception("writing the KV cache to disk before exit failed")
         self.mover.close(drain=False, timeout=1.0)
         for tier in self.store.tiers.values():
             try:

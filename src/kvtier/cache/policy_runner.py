@@ -186,8 +186,11 @@ class PolicyRunner:
                 pool.num_blocks * c.bytes_per_block,
             )
         ]
+        # A tier's copies of chunks placed above it (`disk_copy`) are left out of its use:
+        # the policy counts a chunk's bytes where the view places it, and charges a move into
+        # the tier with them, which then takes the copy's space.
         tiers += [
-            TierView(name, tier.used_bytes, tier.capacity_bytes)
+            TierView(name, tier.used_bytes - c.store.copy_bytes(name), tier.capacity_bytes)
             for name, tier in c.store.tiers.items()
         ]
         demand = c.context.queue()

@@ -14,6 +14,8 @@
 - `drop_device_blocks`: a policy's eviction of idle blocks, not spilled.
 - `forget`: an engine that never reports evictions (vLLM frees its blocks without telling a
   connector) drops the mapping `remember` made, so it does not grow without bound.
+- `unstored_chunks`: what the device holds and no tier does, for a connector that closes
+  (`shutdown_flush.py`).
 """
 
 from __future__ import annotations
@@ -131,6 +133,23 @@ class Spiller:
                     self.counters["write_through_failures"] += 1  # queue full, or failed
 
             c.put(chunk, payload, None, done, c.form_of(ids), ready=ready)
+
+    def unstored_chunks(self) -> list[tuple[Chunk, list[int]]]:
+        """The chunks of cached device blocks that `remember` mapped and no tier holds (nor is
+        being written), those of the latest finished requests first: each one's leading run
+        of cached blocks, with their block ids."""
+        c = self.chunks
+        seen: set[tuple[tuple[bytes, ...], str]] = set()  # each block of a chunk maps to it
+        found: dict[bytes, tuple[Chunk, list[int]]] = {}
+        for info in reversed(self._chunk_of.values()):
+            if (info.keys, info.namespace) in seen:
+                continue
+            seen.add((info.keys, info.namespace))
+            ids = c.device_blocks(info.keys)
+            chunk = Chunk(info.keys[: len(ids)], info.namespace)
+            if ids and chunk.id not in found and c.locate(chunk.id) is None:
+                found[chunk.id] = (chunk, ids)
+        return list(found.values())
 
     def keep_device_blocks(self, keys: Sequence[bytes]) -> int:
         """A policy moved these keys' chunk down: their idle device blocks become kept, the

@@ -11,6 +11,7 @@ _TIER_FIELDS = (
     "used_bytes",
     "capacity_bytes",
     "chunks",
+    "copies",
     "bytes_read",
     "bytes_written",
     "hits",

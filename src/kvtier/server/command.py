@@ -8,9 +8,12 @@ parser, and `kvtier plan` must not pay for torch or FastAPI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -247,11 +250,42 @@ def serve(args: argparse.Namespace, server_config: ServerConfig, sock: socket.so
     logging.basicConfig(level=level, format="%(levelname)s:     %(name)s: %(message)s")
     engine = build_engine(args)
     app = create_app(engine, server_config)
+    server = uvicorn.Server(uvicorn_config(app, server_config, sock, args.log_level))
+    with signals_held(server):
+        try:
+            host, port = sock.getsockname()[:2]
+            address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            print(startup_summary(engine, server_config, address), file=sys.stderr, flush=True)
+            server.run(sockets=[sock])
+        finally:
+            engine.close()
+
+
+@contextlib.contextmanager
+def signals_held(server: uvicorn.Server) -> Iterator[None]:
+    """Hold SIGTERM and SIGINT until the block is done, then raise them again.
+
+    uvicorn shuts down gracefully on either and then raises it again, which with the default
+    handlers ends the process there: before the engine closes, and so before a persistent disk
+    tier receives what memory holds (`tiers.shutdown_flush_s`). One that comes while uvicorn
+    is not listening for it (starting, or stopped) stops `server` all the same; a second one
+    ends the process at once, as it would have."""
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def hold(sig: int, frame: object) -> None:
+        if held:
+            signal.signal(sig, previous[sig])
+            signal.raise_signal(sig)
+        held.append(sig)
+        server.should_exit = True
+
+    for sig in previous:
+        signal.signal(sig, hold)
     try:
-        config = uvicorn_config(app, server_config, sock, args.log_level)
-        host, port = sock.getsockname()[:2]
-        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        print(startup_summary(engine, server_config, address), file=sys.stderr, flush=True)
-        uvicorn.Server(config).run(sockets=[sock])
+        yield
     finally:
-        engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in held:
+            signal.raise_signal(sig)

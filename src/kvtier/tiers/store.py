@@ -13,7 +13,11 @@ holding each chunk, and a recency order per tier. It:
   a payload on its way in with the owner's `recode` (the engine connector quantizes there),
   on the thread that moves it: the mover's worker;
 - deletes; and follows tiers that drop entries on their own (disk GC, Redis budget) through
-  their `on_evict` hook.
+  their `on_evict` hook;
+- keeps a second copy of a tier's chunks in a tier below it where asked (`copy_to`, e.g.
+  {"host": "disk"}: the host's chunks written through to a persistent disk tier, so they
+  outlive the process). The index still names one tier per chunk, the upper one, which
+  serves reads; a demotion into the copy's tier takes the copy and writes nothing.
 
 It knows nothing about models, and reads only payload sizes, never payload bytes (`recode` is
 the owner's), so the same code runs over size-only tiers in the simulator. Tier I/O runs
@@ -25,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -35,6 +39,7 @@ import torch
 from kvtier.tiers.base import EvictListener, TierBackend
 from kvtier.tiers.histogram import LatencyHistogram
 from kvtier.tiers.payload import Payload
+from kvtier.tiers.vocab import lossiest
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +84,14 @@ class Chunk:
 
 @dataclass(slots=True)
 class Placement:
-    """Where a chunk is and what it weighs: one index entry."""
+    """Where a chunk is and what it weighs: one index entry. `copy`: where its copy in a
+    lower tier is (`TieredStore`'s `copy_to`), None without one."""
 
     tier: str
     nbytes: int
     form: str
     namespace: str
+    copy: Placement | None = None
 
 
 class MoveStats:
@@ -126,10 +133,13 @@ class TieredStore:
         chunk_tokens: int = 256,
         forms: Mapping[str, str] | None = None,
         recode: Recode | None = None,
+        copy_to: Mapping[str, str] | None = None,
     ) -> None:
         """tiers: top (fastest) first, e.g. [host, disk, remote]; names must differ.
         forms: tier name -> the form its chunks are stored in (unlisted: as they come);
-        recode converts payloads into a form (needed when forms or a put's form is given)."""
+        recode converts payloads into a form (needed when forms or a put's form is given).
+        copy_to: tier name -> a tier below it that gets a copy of every chunk placed in it,
+        written right after it (the cost: those bytes written twice)."""
         if not tiers or len({tier.name for tier in tiers}) != len(tiers):
             raise ValueError("the store needs at least one tier, each with its own name")
         if chunk_tokens % block_tokens:
@@ -140,6 +150,13 @@ class TieredStore:
         self.recode = recode
         self.tiers = {tier.name: tier for tier in tiers}
         self.order = [tier.name for tier in tiers]
+        self.copy_to = dict(copy_to or {})
+        for upper, lower in self.copy_to.items():
+            if lower not in self.order or self.order.index(lower) <= self.order.index(upper):
+                raise ValueError(f"copy_to: {lower!r} is not a tier below {upper!r}")
+        # copies per tier (they are not in `_recency`: the index names the upper tier)
+        self._copies: Counter[str] = Counter()
+        self._copy_bytes: Counter[str] = Counter()
         self.block_tokens = block_tokens
         self.chunk_tokens = chunk_tokens
         self._index: dict[bytes, Placement] = {}
@@ -300,8 +317,7 @@ class TieredStore:
             # A shared tier's value is only forgotten: what fails this reader's check may be
             # another process's to serve (this one may be the misconfigured one), and damage
             # every reader sees that tier deletes on the read itself.
-            if not source.shared:
-                source.delete(chunk, namespace=placement.namespace)
+            self._delete_stored(chunk, placement, keep=placement.tier if source.shared else None)
             return None
 
     def demote(self, chunk: bytes, to: str | None = None, form: str | None = None) -> bool:
@@ -320,7 +336,18 @@ class TieredStore:
         with self._lock:
             placement = self._unindex(chunk)
         if placement is not None:
-            self.tiers[placement.tier].delete(chunk, namespace=placement.namespace)
+            self._delete_stored(chunk, placement)
+
+    def chunks_in(self, tier: str) -> list[bytes]:
+        """The ids of the chunks the index places in `tier`, least recently used first."""
+        with self._lock:
+            return list(self._recency[tier])
+
+    def copy_bytes(self, tier: str) -> int:
+        """Bytes of the copies `tier` holds for chunks placed above it (`copy_to`): space a
+        demotion into it takes without writing, and none a chunk needs."""
+        with self._lock:
+            return self._copy_bytes[tier]
 
     def recover(self) -> int:
         """Rebuild the index from what the tiers kept across a restart; returns the count.
@@ -351,6 +378,33 @@ class TieredStore:
         src: str,
         form: str | None = None,
     ) -> bool:
+        stored = self._write(chunk, namespace, payload, target, self._move(src, target), form)
+        if stored is None:
+            return False
+        placed = Placement(target, stored.nbytes, stored.form, namespace)
+        with self._lock:
+            stale = self._unindex(chunk)
+            self._index[chunk] = placed
+            self._recency[target][chunk] = None
+        if stale is not None:
+            # One copy per chunk: the index now points at the new one.
+            self._delete_stored(chunk, stale, keep=target)
+        lower = self.copy_to.get(target)
+        if lower is not None:
+            self._copy(chunk, placed, stored, lower)
+        return True
+
+    def _write(
+        self,
+        chunk: bytes,
+        namespace: str,
+        payload: Payload,
+        target: str,
+        move: MoveStats,
+        form: str | None,
+    ) -> Payload | None:
+        """Convert the payload to `form` and the target's own form, make room and put it;
+        the payload as stored, or None when it was not."""
         tier = self.tiers[target]
         try:
             for wanted in (form, self.forms.get(target)):
@@ -358,25 +412,33 @@ class TieredStore:
                     payload = self._recode(payload, wanted)
         except Exception:  # an unreadable payload is not stored, like a failed put
             log.exception("converting chunk %s to %s failed", chunk.hex()[:16], wanted)
-            self._move(src, target).record(payload.nbytes, 0.0, False)
-            return False
+            move.record(payload.nbytes, 0.0, False)
+            return None
         if payload.nbytes > tier.capacity_bytes:
-            ok = False
-        else:
-            self._make_room(tier, payload.nbytes)
-            start = perf_counter()
-            ok = tier.put(chunk, payload, namespace=namespace)
-            self._move(src, target).record(payload.nbytes, perf_counter() - start, ok)
-        if not ok:
-            return False
+            return None
+        self._make_room(tier, payload.nbytes)
+        start = perf_counter()
+        ok = tier.put(chunk, payload, namespace=namespace)
+        move.record(payload.nbytes, perf_counter() - start, ok)
+        return payload if ok else None
+
+    def _copy(self, chunk: bytes, placed: Placement, payload: Payload, lower: str) -> None:
+        """Write the copy of a chunk just placed, and note it in its index entry; when the
+        chunk has moved or gone meanwhile, the copy is deleted again."""
+        move = self._move(placed.tier, f"{lower}:copy")
+        stored = self._write(chunk, placed.namespace, payload, lower, move, None)
+        if stored is None:
+            return  # a demotion will write it (a full or failing tier is counted there)
         with self._lock:
-            stale = self._unindex(chunk)
-            self._index[chunk] = Placement(target, payload.nbytes, payload.form, namespace)
-            self._recency[target][chunk] = None
-        if stale is not None and stale.tier != target:
-            # One copy per chunk: the index now points at the new one.
-            self.tiers[stale.tier].delete(chunk, namespace=stale.namespace)
-        return True
+            current = self._index.get(chunk)
+            if current is placed:
+                placed.copy = Placement(lower, stored.nbytes, stored.form, placed.namespace)
+                self._copies[lower] += 1
+                self._copy_bytes[lower] += stored.nbytes
+                return
+            taken = current is not None and lower in (current.tier, _tier(current.copy))
+        if not taken:
+            self.tiers[lower].delete(chunk, namespace=placed.namespace)
 
     def _recode(self, payload: Payload, form: str) -> Payload:
         if self.recode is None:
@@ -410,6 +472,13 @@ class TieredStore:
         below = self.order.index(source) + 1
         target = to or (self.order[below] if below < len(self.order) else None)
         try:
+            copy = placement.copy
+            if (
+                copy is not None
+                and copy.tier == target
+                and lossiest(form or copy.form, copy.form) == copy.form
+            ):
+                return self._take_copy(chunk, placement, copy)
             moved = False
             if target is not None:
                 payload = self.tiers[source].get(chunk, namespace=placement.namespace)
@@ -420,25 +489,59 @@ class TieredStore:
                 with self._lock:
                     if self._index.get(chunk) is placement:
                         self._unindex(chunk)
-                self.tiers[source].delete(chunk, namespace=placement.namespace)
+                self._delete_stored(chunk, placement)
                 self._move(source, DROPPED).record(placement.nbytes, 0.0, True)
             return moved
         finally:
             with self._lock:
                 self._busy.discard(chunk)
 
+    def _take_copy(self, chunk: bytes, placement: Placement, copy: Placement) -> bool:
+        """Demote a chunk into the tier that holds its copy: the copy becomes the chunk's
+        place and the upper one is freed; nothing is written."""
+        with self._lock:
+            if self._index.get(chunk) is not placement:
+                return False
+            self._unindex(chunk)
+            self._index[chunk] = copy
+            self._recency[copy.tier][chunk] = None
+        self.tiers[placement.tier].delete(chunk, namespace=placement.namespace)
+        return True
+
+    def _delete_stored(self, chunk: bytes, placement: Placement, keep: str | None = None) -> None:
+        """Delete what `placement` (no longer indexed) names, its copy too, but in `keep`."""
+        for where in (placement, placement.copy):
+            if where is not None and where.tier != keep:
+                self.tiers[where.tier].delete(chunk, namespace=where.namespace)
+
     def _unindex(self, chunk: bytes) -> Placement | None:
         placement = self._index.pop(chunk, None)
         if placement is not None:
             self._recency[placement.tier].pop(chunk, None)
+            self._forget_copy(placement)
         return placement
+
+    def _forget_copy(self, placement: Placement) -> None:
+        copy = placement.copy
+        if copy is not None:
+            self._copies[copy.tier] -= 1
+            self._copy_bytes[copy.tier] -= copy.nbytes
 
     def _evict_listener(self, tier_name: str) -> EvictListener:
         def evicted(key: bytes, namespace: str) -> None:
             with self._lock:
                 placement = self._index.get(key)
-                if placement is not None and placement.tier == tier_name:
+                if placement is None:
+                    return
+                copy = placement.copy
+                if placement.tier == tier_name:
                     self._unindex(key)
+                    if copy is not None:  # the copy below carries on as the chunk
+                        self._index[key] = copy
+                        self._recency[copy.tier][key] = None
+                elif copy is not None and copy.tier == tier_name:
+                    self._forget_copy(placement)
+                    placement.copy = None
 
         return evicted
 
@@ -456,6 +559,7 @@ class TieredStore:
         """Budgets and counters of every tier and every direction of movement."""
         with self._lock:
             chunks = {name: len(recency) for name, recency in self._recency.items()}
+            copies = {name: self._copies[name] for name in self.order}
             misses, discovered = self.misses, self.discovered
         return {
             "tiers": {
@@ -463,6 +567,7 @@ class TieredStore:
                     "used_bytes": tier.used_bytes,
                     "capacity_bytes": tier.capacity_bytes,
                     "chunks": chunks[name],
+                    "copies": copies[name],
                     **tier.stats.snapshot(),
                 }
                 for name, tier in self.tiers.items()
@@ -472,3 +577,7 @@ class TieredStore:
             "misses": misses,
             "discovered": discovered,
         }
+
+
+def _tier(placement: Placement | None) -> str | None:
+    return placement.tier if placement is not None else None
