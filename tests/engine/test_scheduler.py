@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvtier.engine import SamplingParams
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.kv_cache_manager import KVCacheManager
-from kvtier.engine.request import Request, RequestStatus
+from kvtier.engine.request import FinishReason, Request, RequestStatus
 from kvtier.engine.scheduler import Scheduler
 
 from .conftest import random_prompt
@@ -107,3 +107,80 @@ def test_max_num_seqs_caps_the_running_set():
         scheduler.add(_request(str(i), [1, 2, 3]))
     out = scheduler.schedule()
     assert len(out.scheduled) == 3 and len(scheduler.waiting) == 2
+
+
+# ----- tenants share the engine ---------------------------------------------------------
+
+
+def _tenant_request(request_id: str, tenant: str | None, length: int = 3) -> Request:
+    return Request(
+        request_id,
+        list(range(1, length + 1)),
+        SamplingParams(temperature=0, max_tokens=100),
+        b"ns",
+        tenant=tenant,
+    )
+
+
+def _admission_order(scheduler: Scheduler, steps: int) -> list[str]:
+    admitted = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        admitted += [r.request_id for r in out.admitted]
+        _complete(out)
+        for request in list(scheduler.running):
+            if request.num_output_tokens >= 2:  # short answers: slots come free
+                scheduler.finish(request, FinishReason.LENGTH)
+    return admitted
+
+
+def test_one_tenant_is_admitted_first_come_first_served():
+    scheduler = Scheduler(KVCacheManager(BlockPool(100), 16), 512, max_num_seqs=2)
+    for i in range(6):
+        scheduler.add(_tenant_request(f"a{i}", "a"))
+    assert _admission_order(scheduler, 12) == [f"a{i}" for i in range(6)]
+
+
+def test_a_tenant_queued_behind_a_flood_is_admitted_at_the_next_free_slot():
+    scheduler = Scheduler(KVCacheManager(BlockPool(100), 16), 512, max_num_seqs=2)
+    for i in range(6):
+        scheduler.add(_tenant_request(f"a{i}", "a"))
+    scheduler.add(_tenant_request("b0", "b"))
+    # a0 arrived first; then b has been served less than a, whatever a's queue
+    assert _admission_order(scheduler, 12)[:3] == ["a0", "b0", "a1"]
+
+
+def test_a_long_prefill_yields_the_step_budget_to_another_tenant():
+    scheduler = Scheduler(KVCacheManager(BlockPool(100), 16), 32, max_num_seqs=8)
+    long_prompt = _tenant_request("long", "a", 300)
+    scheduler.add(long_prompt)
+    _complete(scheduler.schedule())  # its first 32-token chunk
+    short = _tenant_request("short", "b", 10)
+    scheduler.add(short)  # counted as served as much as a so far: no credit, no debt
+    steps = 0
+    while short.num_output_tokens == 0:
+        out = scheduler.schedule()
+        _complete(out)
+        steps += 1
+    # one more chunk of a's, then b's prompt and the rest of the budget to a; not the eight
+    # steps a's prefill has left
+    assert steps == 2
+    assert dict((r.request_id, n) for r, n in out.scheduled) == {"short": 10, "long": 22}
+
+
+def test_a_tenant_flooding_the_engine_does_not_hold_another_in_the_queue(chunked_engine):
+    """Real model, two sequences at a time: tenant b's request, sent after eight of tenant
+    a's, starts at the first free slot and finishes long before a's queue drains."""
+    engine = chunked_engine
+    engine.scheduler.max_num_seqs = 2
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    try:
+        flood = [engine.add_request(random_prompt(40, i), params, tenant="a") for i in range(8)]
+        other = engine.add_request(random_prompt(40, 99), params, tenant="b")
+        finished: list[str] = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+    finally:
+        engine.scheduler.max_num_seqs = engine.config.max_num_seqs
+    assert finished.index(other) <= 2  # FCFS: last, after all eight
+    assert set(finished) == {*flood, other}

@@ -99,3 +99,20 @@ def _run_to_end(engine, request_id: str) -> str:
     while engine.has_unfinished_requests():
         text += [o.delta_text for o in engine.step() if o.request_id == request_id]
     return "".join(text)
+
+
+def test_beyond_max_sessions_the_least_recently_active_is_forgotten():
+    clock = VirtualClock(1000.0)
+    tracker = SessionTracker(clock, max_sessions=3)
+    for name in ("a", "b", "c"):
+        tracker.start_turn(name, f"{name}0", 10)
+        tracker.end_turn(f"{name}0")
+        clock.advance(1)
+    tracker.start_turn("a", "a1", 10)  # a is now the most recently active
+    tracker.end_turn("a1")
+    tracker.start_turn("d", "d0", 10)
+    assert list(tracker.sessions) == ["a", "c", "d"]  # b went; first-seen order kept
+    assert tracker.num_evicted == 1
+    again = tracker.start_turn("b", "b1", 10)  # forgotten: new again, and c goes
+    assert again.kind is TurnKind.NEW and again.turn_index == 0
+    assert list(tracker.sessions) == ["a", "d", "b"] and tracker.num_evicted == 2

@@ -43,6 +43,9 @@ class EngineConfig:
     num_threads: int | None = None  # None: all cores
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     session_resume_after_s: float = 30.0
+    # Sessions the tracker remembers (engine/sessions.py); beyond, the least recently active
+    # is forgotten, its KV with it.
+    max_sessions: int = 10_000
     # KV compression (kvtier.compress): a pipeline of presses applied to each request once
     # its prompt is prefilled. None (or ratio 0 everywhere) leaves the KV untouched.
     compression: CompressionConfig | None = None
@@ -79,7 +82,13 @@ class EngineConfig:
             raise KvtierError(
                 f"priority must be 'decode_first' or 'prefill_first', got {self.priority!r}"
             )
-        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "kv_cache_bytes",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_sessions",
+        ):
             _require_positive_int(name, getattr(self, name))
         if self.kv_quant not in (None, "int8", "int4", "int2"):
             raise KvtierError(

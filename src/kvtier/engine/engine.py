@@ -106,7 +106,9 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager, self.device)
         self.sampler = Sampler()
-        self.sessions = SessionTracker(clock, config.session_resume_after_s)
+        self.sessions = SessionTracker(
+            clock, config.session_resume_after_s, max_sessions=config.max_sessions
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # One lock around all state changes: the stream loop thread steps while callers add
         # and abort from other threads.
@@ -673,6 +675,8 @@ class Engine:
                 num_preemptions=self.scheduler.num_preemptions,
                 num_evictions=pool.num_evictions,
                 num_steps=self.num_steps,
+                num_sessions=len(self.sessions.sessions),
+                num_sessions_evicted=self.sessions.num_evicted,
                 tiers=None if self.connector is None else self.connector.stats(),
             )
 

@@ -71,4 +71,6 @@ class EngineStats:
     num_preemptions: int
     num_evictions: int
     num_steps: int
+    num_sessions: int = 0  # tracked by the session tracker
+    num_sessions_evicted: int = 0  # forgotten to hold its max_sessions
     tiers: dict[str, Any] | None = None  # the tiered connector's stats(), when configured

@@ -16,6 +16,11 @@ the scheduler allocates their blocks with the prefill's and hands them over. A p
 stored history resumes after a recomputed run (a chunk dropped from the tiers, or the front of
 a bidirectional restore plan) has each prefill chunk stopped where the connector's next load
 starts; there the device prefix lookup goes on, then the connector's loads, the same way.
+Across tenants (`Request.tenant`) the prefill work of a step (running prefills' next chunks
+and admissions) goes to the tenant the engine has served the fewest tokens first
+(`fair_share.py`), so one tenant's flood or long prompt does not hold another's requests in
+the queue. With one tenant that is the order above: running prefills, then the waiting
+queue first come, first served.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtier.engine.connector import KVConnector
+from kvtier.engine.fair_share import FairShare
 from kvtier.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvtier.engine.request import FinishReason, Request, RequestStatus
 
@@ -61,6 +67,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.connector: KVConnector | None = None  # set by Engine.set_connector
+        self.shares = FairShare()
 
     @property
     def has_unfinished(self) -> bool:
@@ -68,7 +75,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.shares.added(request.tenant)
         self.waiting.append(request)
+        self.shares.queued(request.tenant)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -76,15 +85,47 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if self.priority == "decode_first":
-            self._schedule_running(decodes + prefills, budget, out)
-            if not out.preempted:
-                self._admit_waiting(budget, out)
+            self._schedule_running(decodes, budget, out)
+            self._schedule_prefills(prefills, budget, out)
         else:
-            self._schedule_running(prefills, budget, out)
-            if not out.preempted:
-                self._admit_waiting(budget, out)
+            self._schedule_prefills(prefills, budget, out)
             self._schedule_running(decodes, budget, out)
         return out
+
+    def _schedule_prefills(
+        self, prefills: list[Request], budget: list[int], out: SchedulerOutput
+    ) -> None:
+        """Running prefills' next chunks and admissions from the waiting queue, one piece of
+        work at a time for the tenant served the fewest tokens (ties: a running prefill
+        before an admission, then the queue's order). Admission stops for the step once a
+        request was preempted or one does not fit while others run."""
+        pending: dict[str | None, deque[Request]] = {}
+        for request in prefills:
+            pending.setdefault(request.tenant, deque()).append(request)
+        admitting = True
+        while budget[0] > 0:
+            admitting = admitting and not out.preempted and len(self.running) < self.max_num_seqs
+            heads = self._waiting_heads() if admitting else {}
+            order = {t: (self.shares.served[t], 0, 0) for t, queue in pending.items() if queue}
+            for position, tenant in enumerate(heads):
+                order.setdefault(tenant, (self.shares.served[tenant], 1, position))
+            if not order:
+                return
+            tenant = min(order, key=order.__getitem__)
+            if pending.get(tenant):
+                self._schedule_running([pending[tenant].popleft()], budget, out)
+            else:
+                admitting = self._admit(heads[tenant], budget, out)
+
+    def _waiting_heads(self) -> dict[str | None, Request]:
+        """Each waiting tenant's first request, in queue order."""
+        heads: dict[str | None, Request] = {}
+        for request in self.waiting:
+            if request.tenant not in heads:
+                heads[request.tenant] = request
+                if len(heads) == len(self.shares.num_waiting):
+                    break
+        return heads
 
     def _schedule_running(
         self, order: list[Request], budget: list[int], out: SchedulerOutput
@@ -105,9 +146,13 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
             else:
-                out.scheduled.append((request, n))
+                self._scheduled(request, n, budget, out)
                 scheduled.add(request.request_id)
-                budget[0] -= n
+
+    def _scheduled(self, request: Request, n: int, budget: list[int], out: SchedulerOutput) -> None:
+        out.scheduled.append((request, n))
+        budget[0] -= n
+        self.shares.charge(request.tenant, n)
 
     def _prefill_limit(self, request: Request, budget: int, computed: int) -> int:
         """Tokens to compute this step: the rest, within the budget, and never past the point
@@ -152,38 +197,44 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
+        self.shares.queued(request.tenant)
         out.preempted.append(request)
         self.num_preemptions += 1
 
-    def _admit_waiting(self, budget: list[int], out: SchedulerOutput) -> None:
-        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.block_size
-            promised = loaded = self._loadable(request, num_cached_tokens)
-            n = self._prefill_limit(request, budget[0], num_cached_tokens + loaded)
-            if not self.kv.allocate(request, n, cached, loaded):
-                loaded = 0
-                n = self._prefill_limit(request, budget[0], num_cached_tokens)
-                if not self.kv.allocate(request, n, cached):
-                    if self.running:
-                        return  # wait for running requests to release blocks; keep FCFS order
-                    # Nobody else holds blocks, so the pool can never fit it (a preempted
-                    # request whose output grew past the pool): end it rather than spin.
-                    self._end_oversized(request, out)
-                    continue
-            self.waiting.popleft()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached_tokens
-            self._hand_over(request, promised, loaded)
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.num_computed_tokens
-                request.metrics.first_scheduled_time = time.perf_counter()
-                self.kv.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
-                out.admitted.append(request)
-            out.scheduled.append((request, n))
-            budget[0] -= n
+    def _admit(self, request: Request, budget: list[int], out: SchedulerOutput) -> bool:
+        """Start a waiting request with the first chunk of its prefill. False when the pool
+        has no room for it while others run: it waits for them to release blocks, and
+        nothing is admitted before it (no starving a large request)."""
+        cached = self.kv.find_cached_prefix(request)
+        num_cached_tokens = len(cached) * self.block_size
+        promised = loaded = self._loadable(request, num_cached_tokens)
+        n = self._prefill_limit(request, budget[0], num_cached_tokens + loaded)
+        if not self.kv.allocate(request, n, cached, loaded):
+            loaded = 0
+            n = self._prefill_limit(request, budget[0], num_cached_tokens)
+            if not self.kv.allocate(request, n, cached):
+                if self.running:
+                    return False
+                # Nobody else holds blocks, so the pool can never fit it (a preempted
+                # request whose output grew past the pool): end it rather than spin.
+                self._end_oversized(request, out)
+                return True
+        self._dequeue(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        self._hand_over(request, promised, loaded)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
+            request.metrics.first_scheduled_time = time.perf_counter()
+            self.kv.record_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+            out.admitted.append(request)
+        self._scheduled(request, n, budget, out)
+        return True
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)  # the head but for another tenant's turn: O(1) mostly
+        self.shares.dequeued(request.tenant)
 
     def _loadable(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens the connector can load from `num_computed_tokens` on (0 without one)."""
@@ -225,11 +276,12 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._dequeue(request)
         if self.connector is not None:
             self.connector.on_request_finished(request)  # may copy its blocks out first
         self.kv.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.shares.finished(request.tenant)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.metrics.finished_time = time.perf_counter()

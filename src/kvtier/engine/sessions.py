@@ -23,7 +23,7 @@ class TurnKind(enum.StrEnum):
     RESUMED = "resumed"
 
 
-@dataclass
+@dataclass(slots=True)
 class TurnRecord:
     session_id: str
     turn_index: int
@@ -45,8 +45,11 @@ class TurnRecord:
 
 class SessionTracker:
     """Turn records per session, with bounded memory for a server that runs for weeks: each
-    session keeps its last `max_turns` turns, and a session idle for `forget_after_s` is
-    forgotten (its next turn counts as new)."""
+    session keeps its last `max_turns` turns, a session idle for `forget_after_s` is
+    forgotten (its next turn counts as new), and beyond `max_sessions` the session whose
+    latest turn is the oldest is forgotten (`num_evicted` counts them). A forgotten session
+    leaves the retention policy's view too, and its KV the tiers: the cap need not be above
+    the sessions whose KV the tiers can hold."""
 
     def __init__(
         self,
@@ -54,12 +57,17 @@ class SessionTracker:
         resume_after_s: float = 30.0,
         forget_after_s: float = 24 * 3600.0,
         max_turns: int = 64,
+        max_sessions: int = 10_000,
     ) -> None:
         self.clock = clock or RealClock()
         self.resume_after_s = resume_after_s
         self.forget_after_s = forget_after_s
         self.max_turns = max_turns
+        self.max_sessions = max_sessions
+        self.num_evicted = 0
+        # In the order each was first seen: the retention policy's view lists them so.
         self.sessions: dict[str, deque[TurnRecord]] = {}
+        self._recent: dict[str, None] = {}  # the same, latest turn last
         self._last_sweep = -math.inf
         self._turn_count: dict[str, int] = {}
         self._by_request: dict[str, TurnRecord] = {}
@@ -70,6 +78,11 @@ class SessionTracker:
         turns = self.sessions.get(session_id)
         if turns is None:
             turns = self.sessions[session_id] = deque(maxlen=self.max_turns)
+            while len(self.sessions) > self.max_sessions:
+                self._forget(next(iter(self._recent)))
+                self.num_evicted += 1
+        self._recent.pop(session_id, None)
+        self._recent[session_id] = None
         if not turns:
             kind, gap = TurnKind.NEW, None
         else:
@@ -101,8 +114,11 @@ class SessionTracker:
         for session_id, turns in list(self.sessions.items()):
             last = turns[-1]
             if last.ended_at is not None and now - last.ended_at > self.forget_after_s:
-                del self.sessions[session_id]
-                del self._turn_count[session_id]
+                self._forget(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        del self.sessions[session_id], self._recent[session_id]
+        del self._turn_count[session_id]
 
     def record_prefix(self, request_id: str, num_cached_tokens: int) -> None:
         record = self._by_request.get(request_id)
