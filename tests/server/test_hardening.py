@@ -28,6 +28,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.server import command
 from kvtier.server.app import create_app
 from kvtier.server.config import ServerConfig
+from kvtier.server.summary import startup_summary
 from tests.server.conftest import (
     ADMIN_KEY,
     ALICE_KEY,
@@ -39,6 +40,7 @@ from tests.server.conftest import (
     tenant_config,
     wait_idle,
 )
+from tests.server.serve_process import metric
 
 pytestmark = pytest.mark.slow
 
@@ -463,3 +465,64 @@ def test_the_planners_model_id_is_an_alias(hardened, engine):
     )
     assert resp.status_code == 200 and resp.json()["model"] == MODEL
     wait_idle(engine)
+
+
+# ----- 8. bounded per-session state, prompt size, the API schema --------------------------
+
+
+def test_session_tracking_is_bounded_and_counted_in_metrics(hardened, engine):
+    def figures() -> tuple[float, float]:
+        key = {"Authorization": "Bearer " + METRICS_KEY}
+        text = httpx.get(hardened.base_url + "/metrics", headers=key).text
+        tracked = metric(text, "kvtier:sessions_tracked")
+        return tracked, metric(text, "kvtier:sessions_evicted_total")
+
+    tracker = engine.sessions
+    cap = tracker.max_sessions
+    tracker.max_sessions = 3
+    try:
+        _, evicted_before = figures()
+        for i in range(5):
+            resp = httpx.post(
+                hardened.v1 + "/chat/completions",
+                json=chat("Hi", 1),
+                headers={**ALICE, "X-Session-ID": f"capped-{i}"},
+                timeout=120,
+            )
+            assert resp.status_code == 200
+        tracked, evicted = figures()
+    finally:
+        tracker.max_sessions = cap
+    assert tracked == 3 and list(tracker.sessions) == [f"alice/capped-{i}" for i in (2, 3, 4)]
+    assert evicted - evicted_before >= 2
+    wait_idle(engine)
+
+
+def test_prompts_are_capped_at_the_model_context_by_default(engine):
+    srv, thread = start_server(create_app(engine, ServerConfig()))
+    try:
+        context = engine.max_model_len
+        resp = httpx.post(
+            srv.v1 + "/completions",
+            json={"model": MODEL, "prompt": [1000] * context, "max_tokens": 1},
+        )
+    finally:
+        stop_server(srv, thread)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert f"limit of {context - 1} (model context {context})" in error["message"]
+    summary = startup_summary(engine, ServerConfig(), "http://127.0.0.1:8000")
+    assert f"prompts up to {context - 1:,} tokens" in summary
+
+
+def test_api_schema_and_docs_are_off_unless_asked(hardened, engine):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        resp = httpx.get(hardened.base_url + path)
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+    srv, thread = start_server(create_app(engine, tenant_config(api_docs=True)))
+    try:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(srv.base_url + path).status_code == 200
+    finally:
+        stop_server(srv, thread)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
 import pytest
 
+from kvtier.server.app import create_app
 from tests.server.conftest import (
     ADMIN_KEY,
     ALICE_KEY,
@@ -16,6 +18,9 @@ from tests.server.conftest import (
     BOB_QUOTA_BLOCKS,
     CAROL_KEY,
     MODEL,
+    start_server,
+    stop_server,
+    tenant_config,
     wait_idle,
 )
 
@@ -133,4 +138,47 @@ def test_pin_survives_a_flood(server, engine):
     assert refused.status_code == 409
     assert refused.json()["error"]["code"] == "quota_exceeded"
     admin(server, "POST", "/admin/tenants/bob/clear")  # unpins too
+    wait_idle(engine)
+
+
+def test_one_tenant_cannot_take_every_request_slot(engine):
+    """Four requests in flight, three tenants: one tenant gets at most two of them, so a
+    flood from it leaves room for the others."""
+    srv, thread = start_server(create_app(engine, tenant_config(max_concurrent_requests=4)))
+    long_stream = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def main() -> tuple[list[int], int, list[dict]]:
+        async with httpx.AsyncClient(base_url=srv.v1, timeout=120) as http:
+            alice = {"Authorization": f"Bearer {ALICE_KEY}"}
+            streams = [
+                http.stream("POST", "/chat/completions", json=long_stream, headers=alice)
+                for _ in range(4)
+            ]
+            responses = [await s.__aenter__() for s in streams]  # answered: running or 429
+            try:
+                refused = [r for r in responses if r.status_code == 429]
+                errors = [json.loads(await r.aread())["error"] for r in refused]
+                bob = await http.post(
+                    "/chat/completions",
+                    json={**long_stream, "max_tokens": 2, "stream": False},
+                    headers={"Authorization": f"Bearer {BOB_KEY}"},
+                )
+            finally:
+                for stream in streams:
+                    await stream.__aexit__(None, None, None)  # alice's streams end: aborted
+            return [r.status_code for r in responses], bob.status_code, errors
+
+    try:
+        statuses, bob_status, errors = asyncio.run(main())
+    finally:
+        stop_server(srv, thread)
+    assert sorted(statuses) == [200, 200, 429, 429]
+    assert all(e["type"] == "rate_limit_error" and "this tenant" in e["message"] for e in errors)
+    assert bob_status == 200
     wait_idle(engine)

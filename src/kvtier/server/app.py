@@ -92,6 +92,15 @@ class ServerState:
         self.metrics = ServerMetrics(config.model_name)
         quotas = {name: t.device_quota_bytes for name, t in config.tenants.items()}
         self.tenant_cache = TenantCache(engine, quotas)
+        self.max_prompt_tokens = config.prompt_token_limit(engine.max_model_len)
+        if (config.max_prompt_tokens or 0) > self.max_prompt_tokens:
+            log.warning(
+                "max_prompt_tokens %d leaves no room to answer in the model's %d-token context; "
+                "prompts of up to %d tokens are served",
+                config.max_prompt_tokens,
+                engine.max_model_len,
+                self.max_prompt_tokens,
+            )
         self.in_flight = 0
         self.in_flight_by_tenant: dict[str, int] = {}
         self.draining = False
@@ -111,8 +120,19 @@ class ServerState:
                 "rate_limit_error",
                 code="rate_limit_exceeded",
             )
+        held = self.in_flight_by_tenant.get(caller.tenant, 0)
+        if held >= self.config.tenant_concurrency_limit:
+            # its share of the server: a flood from one tenant leaves the others room
+            self.metrics.request_rejected.labels(self.config.model_name, caller.tenant, "429").inc()
+            raise APIError(
+                429,
+                f"too many concurrent requests from this tenant (limit "
+                f"{self.config.tenant_concurrency_limit}); retry later",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+            )
         self.in_flight += 1
-        self.in_flight_by_tenant[caller.tenant] = self.in_flight_by_tenant.get(caller.tenant, 0) + 1
+        self.in_flight_by_tenant[caller.tenant] = held + 1
         self.metrics.http_in_flight.labels(self.config.model_name, caller.tenant).inc()
         self.idle.clear()
 
@@ -165,7 +185,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             await asyncio.to_thread(state.tenant_cache.unpin_all)  # give the blocks back
             engine.remove_block_listener(state.tenant_cache)
 
-    app = FastAPI(title="kvtier", version="1", lifespan=lifespan)
+    # The schema and its pages describe every route, admin ones included: off unless asked.
+    docs = {} if config.api_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="kvtier", version="1", lifespan=lifespan, **docs)
     app.state.kvtier = state
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s
@@ -356,22 +378,15 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         token_ids = await asyncio.to_thread(_tokenize, engine, kind, prompt)
         prompt_param = "messages" if kind == "chat" else "prompt"
         n = len(token_ids)
-        limit = config.max_prompt_tokens
-        if limit is not None and n > limit:
+        if n > state.max_prompt_tokens:
             raise APIError(
                 400,
-                f"prompt has {n} tokens, more than this server's limit of {limit}",
+                f"prompt has {n} tokens, more than this server's limit of "
+                f"{state.max_prompt_tokens} (model context {engine.max_model_len})",
                 param=prompt_param,
                 code="context_length_exceeded",
             )
         room = engine.max_model_len - n
-        if room < 1:
-            raise APIError(
-                400,
-                f"prompt has {n} tokens but the model context is {engine.max_model_len}",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,

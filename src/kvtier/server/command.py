@@ -90,7 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-key", default=None, help="bearer key of /metrics (default: loopback only)"
     )
     parser.add_argument("--max-concurrent-requests", type=int, default=None)
-    parser.add_argument("--max-prompt-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-concurrent-requests-per-tenant",
+        type=int,
+        default=None,
+        help="generation requests one tenant may have in flight before 429 (default: half of "
+        "--max-concurrent-requests with two or more tenants, else all of it)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longer prompts: 400 (default: the model context less one output token)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--graceful-shutdown-s", type=float, default=None)
@@ -101,7 +113,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections", type=int, default=None, help="open connections before 503 (512)"
     )
     parser.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=None,
+        help="open connections one client address may hold (default: a quarter of "
+        "--max-connections)",
+    )
+    parser.add_argument(
         "--keep-alive-timeout-s", type=int, default=None, help="idle keep-alive close (5)"
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=None,
+        help="close a connection whose request line and headers are not in by then (10)",
+    )
+    parser.add_argument(
+        "--api-docs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve /docs, /redoc and /openapi.json (default off)",
     )
     parser.add_argument(
         "--log-level",
@@ -147,13 +178,17 @@ def build_server_config(args: argparse.Namespace) -> ServerConfig:
         "admin_key": args.admin_key,
         "metrics_key": args.metrics_key,
         "max_concurrent_requests": args.max_concurrent_requests,
+        "max_concurrent_requests_per_tenant": args.max_concurrent_requests_per_tenant,
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_body_bytes": args.max_body_bytes,
         "max_output_tokens": args.max_output_tokens,
         "graceful_shutdown_s": args.graceful_shutdown_s,
         "body_timeout_s": args.body_timeout_s,
         "max_connections": args.max_connections,
+        "max_connections_per_address": args.max_connections_per_address,
         "keep_alive_timeout_s": args.keep_alive_timeout_s,
+        "header_timeout_s": args.header_timeout_s,
+        "api_docs": args.api_docs,
     }
     for name, value in overrides.items():
         if value is not None:
@@ -168,13 +203,20 @@ def uvicorn_config(
     """How uvicorn serves the app on `sock`: the connection limits and timeouts of `config`."""
     import uvicorn
 
+    from kvtier.server.connections import ConnectionLimits, guarded_protocol
+
     host, port = sock.getsockname()[:2]
+    limits = ConnectionLimits(
+        config.max_connections, config.address_connection_limit, config.header_timeout_s
+    )
     return uvicorn.Config(
         app,
         host=host,  # only named in uvicorn's start-up line: it serves on `sock`
         port=port,
         log_level=log_level,
         lifespan="on",
+        http=guarded_protocol(limits),
+        ws="none",  # no WebSocket routes; an upgraded connection would leave the guard's count
         limit_concurrency=config.max_connections,
         timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),

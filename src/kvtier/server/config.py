@@ -6,6 +6,7 @@ TOML (the `[server]` table of a kvtier config file)::
     model_name = "smollm2"
     admin_key = "admin-secret"
     max_concurrent_requests = 64
+    max_concurrent_requests_per_tenant = 16
     max_prompt_tokens = 4096
     max_body_bytes = 1048576
     metrics_key = "metrics-secret"   # none: /metrics only for loopback clients
@@ -46,7 +47,11 @@ class ServerConfig:
     admin_key: str | None = None  # None: the admin API answers loopback clients only
     metrics_key: str | None = None  # None: /metrics answers loopback clients only
     max_concurrent_requests: int = 64
-    max_prompt_tokens: int | None = None  # None: the engine's context limit only
+    # Generation requests one tenant may have in flight. None: half of max_concurrent_requests
+    # (rounded up) with two or more tenants, so a flood from one leaves the others room; all
+    # of it with one tenant or none.
+    max_concurrent_requests_per_tenant: int | None = None
+    max_prompt_tokens: int | None = None  # None: the model context (less one output token)
     max_body_bytes: int = 1 << 20
     max_tokens_default: int = 256
     max_output_tokens: int | None = None  # None: up to the model context
@@ -55,7 +60,14 @@ class ServerConfig:
     # Open connections (idle keep-alive ones too) before uvicorn answers 503: bounds what a
     # flood of slow clients holds. Well above max_concurrent_requests, under a 1024 fd limit.
     max_connections: int = 512
+    # Connections one client address may hold. None: a quarter of max_connections.
+    max_connections_per_address: int | None = None
     keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this
+    # A connection whose request head (request line and headers) is not in this long after
+    # it opened, or after a later request's first byte, is closed: sockets that send
+    # nothing, or a byte now and then, do not hold a slot.
+    header_timeout_s: float = 10.0
+    api_docs: bool = False  # serve /docs, /redoc and /openapi.json
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -68,13 +80,20 @@ class ServerConfig:
             "keep_alive_timeout_s",
         ):
             _positive_int(f"server.{name}", getattr(self, name))
-        for name in ("max_prompt_tokens", "max_output_tokens"):
+        for name in (
+            "max_prompt_tokens",
+            "max_output_tokens",
+            "max_concurrent_requests_per_tenant",
+            "max_connections_per_address",
+        ):
             if getattr(self, name) is not None:
                 _positive_int(f"server.{name}", getattr(self, name))
-        for name in ("graceful_shutdown_s", "body_timeout_s"):
+        for name in ("graceful_shutdown_s", "body_timeout_s", "header_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise KvtierError(f"server.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.api_docs, bool):
+            raise KvtierError(f"server.api_docs must be true or false, got {self.api_docs!r}")
         for name in ("admin_key", "metrics_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -95,6 +114,28 @@ class ServerConfig:
         if self.model_name == DEFAULT_MODEL_NAME:
             return (self.model_name, *DEFAULT_MODEL_ALIASES)
         return (self.model_name,)
+
+    def prompt_token_limit(self, max_model_len: int) -> int:
+        """The longest prompt served: `max_prompt_tokens`, by default (and at most) the model
+        context less the one token a reply needs."""
+        context = max_model_len - 1
+        return min(self.max_prompt_tokens or context, context)
+
+    @property
+    def tenant_concurrency_limit(self) -> int:
+        """Generation requests one tenant may have in flight."""
+        if self.max_concurrent_requests_per_tenant is not None:
+            return min(self.max_concurrent_requests_per_tenant, self.max_concurrent_requests)
+        if len(self.tenants) < 2:
+            return self.max_concurrent_requests
+        return -(-self.max_concurrent_requests // 2)
+
+    @property
+    def address_connection_limit(self) -> int:
+        """Connections one client address may hold."""
+        if self.max_connections_per_address is not None:
+            return min(self.max_connections_per_address, self.max_connections)
+        return max(1, self.max_connections // 4)
 
     @property
     def anonymous(self) -> bool:
@@ -124,6 +165,7 @@ class ServerConfig:
             "admin_key",
             "metrics_key",
             "max_concurrent_requests",
+            "max_concurrent_requests_per_tenant",
             "max_prompt_tokens",
             "max_body_bytes",
             "max_tokens_default",
@@ -131,7 +173,10 @@ class ServerConfig:
             "graceful_shutdown_s",
             "body_timeout_s",
             "max_connections",
+            "max_connections_per_address",
             "keep_alive_timeout_s",
+            "header_timeout_s",
+            "api_docs",
         }
         unknown = sorted(set(table) - known)
         if unknown:

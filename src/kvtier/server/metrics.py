@@ -152,6 +152,32 @@ class TierCollector:
         yield from (used, capacity, chunks, errors, decisions)
 
 
+class SessionCollector:
+    """The engine's session tracker at the last scrape: the sessions it remembers, and those
+    it forgot to hold its `max_sessions` (the engine's running count, reported as it is)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.stats is None:
+            return
+        tracked = GaugeMetricFamily(
+            "kvtier:sessions_tracked",
+            "Sessions the engine tracks (their turns, and their KV for the retention policy).",
+            labels=["model_name"],
+        )
+        tracked.add_metric([self.model_name], self.stats.num_sessions)
+        evicted = CounterMetricFamily(
+            "kvtier:sessions_evicted",
+            "Sessions forgotten, least recently active first, to hold the tracker's cap.",
+            labels=["model_name"],
+        )
+        evicted.add_metric([self.model_name], self.stats.num_sessions_evicted)
+        yield from (tracked, evicted)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -259,6 +285,8 @@ class ServerMetrics:
         )
         self.tier_collector = TierCollector(model_name)
         r.register(self.tier_collector)
+        self.session_collector = SessionCollector(model_name)
+        r.register(self.session_collector)
         self.tenant_quota_evictions = Gauge(
             "kvtier:tenant_quota_evicted_blocks",
             "Blocks dropped to hold the tenant's quota.",
@@ -306,6 +334,7 @@ class ServerMetrics:
         self.kv_blocks_cached_idle.labels(name).set(stats.kv_blocks_cached_idle)
         self.num_preemptions.labels(name).set(stats.num_preemptions)
         self.tier_collector.tiers = stats.tiers
+        self.session_collector.stats = stats
         for t in tenants:
             self.tenant_cached_bytes.labels(name, t.tenant).set(t.cached_bytes)
             self.tenant_idle_bytes.labels(name, t.tenant).set(t.idle_bytes)

@@ -21,9 +21,22 @@ def startup_summary(engine: Engine, config: ServerConfig, address: str) -> str:
         f"{format_bytes(pool.num_blocks * block_bytes)}",
         f"  tiers: {tier_line(engine)}",
         f"  policy: {policy_line(engine)}",
+        f"  limits: {limits_line(engine, config)}",
         f"  listening on {address}",
     ]
     return "\n".join(lines)
+
+
+def limits_line(engine: Engine, config: ServerConfig) -> str:
+    per_tenant = ""
+    if config.tenant_concurrency_limit < config.max_concurrent_requests:
+        per_tenant = f" ({config.tenant_concurrency_limit} per tenant)"
+    return (
+        f"prompts up to {config.prompt_token_limit(engine.max_model_len):,} tokens; "
+        f"{config.max_concurrent_requests} requests in flight{per_tenant}; "
+        f"{config.max_connections} connections ({config.address_connection_limit} per address, "
+        f"request head within {config.header_timeout_s:g} s)"
+    )
 
 
 def tier_line(engine: Engine) -> str:
