@@ -38,6 +38,7 @@ def gguf_model_fp32():
     return model.eval()
 
 
+@pytest.mark.slow
 def test_converted_weights_are_the_gguf_weights_rounded_to_bf16(model_dir, gguf_model_fp32):
     from safetensors.torch import load_file
 

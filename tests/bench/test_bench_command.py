@@ -61,6 +61,7 @@ def _tiny_trace(path):
     return path
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     out = tmp_path / "bench"
     trace = _tiny_trace(tmp_path / "trace.jsonl")
@@ -114,6 +115,7 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     assert [row.split("|")[1].strip() for row in verdict[4:6]] == ["retain", "cost"]
 
 
+@pytest.mark.slow
 def test_oracle_needs_tiers(capsys, tmp_path):
     trace = _tiny_trace(tmp_path / "trace.jsonl")
     argv = ["bench", "--workload", str(trace), "--policies", "oracle", "--host-bytes", "0"]
@@ -121,6 +123,7 @@ def test_oracle_needs_tiers(capsys, tmp_path):
     assert "oracle policy needs tiers" in err
 
 
+@pytest.mark.slow
 def test_oracle_runs_as_a_policy_object(capsys, tmp_path):
     """The oracle is handed to the engine as a built policy (it needs the future); its run is
     labelled oracle and its runner really made decisions."""

@@ -48,6 +48,7 @@ def _one_line_error(capsys) -> str:
 # --- a workload that cannot fit is refused before anything runs
 
 
+@pytest.mark.slow
 def test_a_request_too_big_for_the_pool_is_refused_with_the_size_that_fits(tmp_path, capsys):
     # 600 + 40 tokens = 40 blocks of 16; 8 MiB holds 22 blocks of SmolLM2 (360 KiB each)
     trace = _bailian(tmp_path / "t.jsonl", [(1, -1, 0.0, 100, 4), (2, -1, 1.0, 600, 40)])
@@ -136,6 +137,7 @@ def test_scaling_fits_the_kept_sessions_not_the_whole_trace(tmp_path):
     assert max(r.prompt_tokens + r.output_tokens for r in flatten(workload)) <= 200
 
 
+@pytest.mark.slow
 def test_bench_replays_the_resuming_session_and_warns_when_none_resumes(tmp_path, capsys):
     trace = _bailian(
         tmp_path / "t.jsonl",

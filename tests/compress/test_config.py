@@ -54,6 +54,7 @@ def test_unknown_press_and_double_budget():
         PressSpec(name="h2o", ratio=0.5, keep_tokens=10)
 
 
+@pytest.mark.slow
 def test_bad_press_options_fail_when_the_engine_builds_the_press(engine):
     with pytest.raises(KvtierError, match="press 'snapkv': bad options"):
         engine.set_compression(

@@ -13,6 +13,9 @@ from kvtier.errors import KvtierError
 
 from .conftest import MIB, prose_prompt, random_prompt
 
+# every test here runs the model through the engine (fp32, often beside transformers)
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

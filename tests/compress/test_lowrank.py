@@ -59,6 +59,7 @@ def relative_error(restored: torch.Tensor, kv: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("grouping", ["head", "layer"])
+@pytest.mark.slow
 def test_bases_are_orthonormal_and_sorted_by_variance(bases, grouping):
     basis = bases[grouping]
     width = 64 if grouping == "head" else 3 * 64
@@ -70,6 +71,7 @@ def test_bases_are_orthonormal_and_sorted_by_variance(bases, grouping):
 
 
 @pytest.mark.parametrize("grouping", ["head", "layer"])
+@pytest.mark.slow
 def test_full_rank_reproduces_the_kv(bases, held_out_kv, grouping):
     basis = bases[grouping]
     restored = basis.reconstruct(held_out_kv, basis.width)
@@ -78,6 +80,7 @@ def test_full_rank_reproduces_the_kv(bases, held_out_kv, grouping):
 
 
 @pytest.mark.parametrize("grouping", ["head", "layer"])
+@pytest.mark.slow
 def test_error_falls_with_rank_on_text_not_calibrated_on(bases, held_out_kv, grouping):
     basis = bases[grouping]
     ranks = [r for r in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192) if r <= basis.width]
@@ -86,6 +89,7 @@ def test_error_falls_with_rank_on_text_not_calibrated_on(bases, held_out_kv, gro
     assert errors[0] > 0.1 and errors[-1] < 1e-5
 
 
+@pytest.mark.slow
 def test_grouping_all_heads_keeps_more_at_equal_bytes(bases, held_out_kv):
     # Per-head bases are one candidate of the layer-wide fit, so at the same share of bytes
     # the layer grouping reconstructs at least as well (here: clearly better).
@@ -95,12 +99,14 @@ def test_grouping_all_heads_keeps_more_at_equal_bytes(bases, held_out_kv):
         assert relative_error(per_layer, held_out_kv) < relative_error(per_head, held_out_kv)
 
 
+@pytest.mark.slow
 def test_fit_is_deterministic(_engine, calibration_ids, bases):
     again = fit_basis(_engine, calibration_ids, "layer")
     for name in ("mean", "directions", "variance"):
         assert torch.equal(getattr(again, name), getattr(bases["layer"], name))
 
 
+@pytest.mark.slow
 def test_fits_are_cached_on_disk_per_model_text_and_grouping(empty_cache):
     first = load_or_fit(LowRankFit(grouping="head", num_tokens=128))  # fitted now: no file yet
     [path] = (empty_cache / "lowrank").glob("*.safetensors")
@@ -123,6 +129,7 @@ def test_fits_are_cached_on_disk_per_model_text_and_grouping(empty_cache):
     assert len({path, *others}) == 4
 
 
+@pytest.mark.slow
 def test_ratio_sets_the_rank_as_the_share_of_bytes_removed(bases):
     basis = bases["layer"]
     assert [basis.rank_for(r) for r in (0.0, 0.25, 0.5, 0.75, 0.875)] == [192, 144, 96, 48, 24]
@@ -131,6 +138,7 @@ def test_ratio_sets_the_rank_as_the_share_of_bytes_removed(bases):
 
 
 @pytest.mark.parametrize("rank", [16, 96, 192])
+@pytest.mark.slow
 def test_codec_moves_rank_over_width_of_the_bytes(bases, held_out_kv, rank):
     basis = bases["layer"]
     codec = LowRankCodec(basis, rank)
@@ -148,6 +156,7 @@ def test_codec_moves_rank_over_width_of_the_bytes(bases, held_out_kv, rank):
         assert relative_error(restored.float(), block.float()) < 4e-3
 
 
+@pytest.mark.slow
 def test_press_keeps_sinks_and_a_residual_window_exact(bases, held_out_kv):
     press = LowRankPress(bases["layer"], 16, residual=32)  # and the default 4 sinks
     out = press.apply(held_out_kv)
@@ -186,6 +195,7 @@ def test_bad_method_strings(method, message):
         parse_method(method)
 
 
+@pytest.mark.slow
 def test_bad_ranks_options_and_geometry(bases):
     basis = bases["layer"]
     for rank in (0, 193, -1, 2.5, "32", True):
@@ -216,6 +226,7 @@ def no_ready_bases(monkeypatch):
     monkeypatch.setattr(fitted_bases, "_ready", {})
 
 
+@pytest.mark.slow
 def test_engine_full_rank_decodes_like_full_cache(engine, bases, empty_cache, no_ready_bases):
     # The fixture's fit stands in for the calibration step's own (same model, text and
     # length), so it reads it from the disk cache instead of fitting again.
@@ -237,6 +248,7 @@ def test_engine_full_rank_decodes_like_full_cache(engine, bases, empty_cache, no
         assert out.kv_bytes_held == full.kv_bytes_held
 
 
+@pytest.mark.slow
 def test_the_engine_never_fits_it_takes_the_basis_the_calibration_step_provided(
     engine, bases, no_ready_bases
 ):
@@ -250,6 +262,7 @@ def test_the_engine_never_fits_it_takes_the_basis_the_calibration_step_provided(
     assert engine.compressor.lowrank.rank == 8
 
 
+@pytest.mark.slow
 def test_eval_reads_a_missing_basis_from_the_disk_cache_before_the_engine_needs_it(
     engine, bases, tokenizer, empty_cache, no_ready_bases
 ):

@@ -149,6 +149,7 @@ def paged_engines():
     return engines
 
 
+@pytest.mark.slow
 def test_an_engine_decoding_through_the_kernel_generates_what_the_gather_path_does(
     paged_engines,
 ):
@@ -164,6 +165,7 @@ def test_an_engine_decoding_through_the_kernel_generates_what_the_gather_path_do
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+@pytest.mark.slow
 def test_a_bf16_request_decodes_the_same_tokens_alone_and_batched(paged_engines):
     engine = paged_engines["bfloat16"]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,6 +96,7 @@ def test_random_requests_never_leak_blocks(specs, priority, budget):
             assert request.num_output_tokens == request.sampling_params.max_tokens
 
 
+@pytest.mark.slow
 def test_real_engine_random_requests_and_aborts():
     """~50 random requests through the real model on a 48-block pool (768 tokens), with
     shared prefixes, random aborts and forced preemptions; then nothing is left behind."""

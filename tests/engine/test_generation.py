@@ -7,6 +7,7 @@ a few dozen tokens a near-tie in the argmax can flip, so bf16 equality would be 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.engine import SamplingParams
@@ -20,6 +21,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(fp32_engine, hf_model_fp32, tokenizer):
     """64 greedy tokens for 5 chat prompts; the engine runs them as one concurrent batch,
     transformers one at a time (no padding)."""
@@ -72,6 +74,7 @@ def test_stop_token_ids_and_max_tokens(bf16_engine):
     assert out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_whatever_the_batch(bf16_engine):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=24, seed=1234)
     (alone,) = bf16_engine.generate(["Tell me a story."], params)
@@ -82,6 +85,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(bf16_engine):
     assert batch[0].token_ids == alone.token_ids
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy(bf16_engine):
     (greedy,) = bf16_engine.generate(["Paris is"], SamplingParams(temperature=0, max_tokens=16))
     (top1,) = bf16_engine.generate(
@@ -133,6 +137,7 @@ def test_a_step_samples_all_its_rows_in_one_call(bf16_engine):
     assert sampler.calls == [3] * 6  # the prefill step, then 5 decode steps: 3 rows each
 
 
+@pytest.mark.slow
 def test_a_row_that_cannot_be_sampled_fails_alone_with_the_same_draws(bf16_engine):
     params = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, seed=77)
     (alone,) = bf16_engine.generate(["Tell me a story."], params)

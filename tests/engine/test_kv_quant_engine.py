@@ -47,6 +47,7 @@ def english(engine: Engine, n: int) -> list[int]:
     return engine.tokenizer.encode(text)[:n]
 
 
+@pytest.mark.slow
 def test_int8_logits_stay_close_to_full_precision(int8, fp32_engine):
     prompt = english(int8, 200)
     full = fp32_engine.score([prompt])[0].logits
@@ -58,6 +59,7 @@ def test_int8_logits_stay_close_to_full_precision(int8, fp32_engine):
     assert (packed.argmax(-1) == full.argmax(-1)).sum() >= 198
 
 
+@pytest.mark.slow
 def test_int8_greedy_tokens_match_full_precision(int8, fp32_engine):
     prompt = english(int8, 100)
     full = fp32_engine.generate([prompt], LONG_GREEDY)[0].token_ids

@@ -52,6 +52,7 @@ def plain_forward_perplexity(model, token_ids: list[int]) -> float:
     return math.exp(-log_probs.mean().item())
 
 
+@pytest.mark.slow
 def test_full_cache_equals_a_plain_forward_pass(runs, text, hf_model_fp32):
     full = runs["full"]
     assert full.spec == "full" and full.budget is None

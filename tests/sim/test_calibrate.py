@@ -19,6 +19,7 @@ def calibrate(*argv: str) -> int:
     return calibrate_command.run(parser.parse_args(list(argv)))
 
 
+@pytest.mark.slow
 def test_calibrate_times_the_engine_and_writes_a_profile_that_loads(tmp_path, capsys):
     out = tmp_path / "mine.toml"
     tiny = ("--prefill", "16@0,48@0,32@64", "--decode", "1x32,4x32,2x96", "--repeats", "1")

@@ -225,6 +225,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_mid_write_leaves_only_verified_records_and_the_budget_right(
     tmp_path, caplog
 ) -> None:
