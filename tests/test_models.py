@@ -51,6 +51,7 @@ def test_converted_weights_are_the_gguf_weights_rounded_to_bf16(model_dir, gguf_
         assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
 
 
+@pytest.mark.slow
 def test_converted_model_reproduces_gguf_logits(tokenizer, hf_model_fp32, gguf_model_fp32):
     """Max |logit difference| over every position of a 60-token prompt, both run in fp32.
 

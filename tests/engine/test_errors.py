@@ -20,6 +20,7 @@ def small_engine() -> Engine:
     return Engine(EngineConfig(max_model_len=256, kv_cache_bytes=12 * BF16_BLOCK_BYTES))
 
 
+@pytest.mark.slow
 def test_oversized_prompts_fail_alone(small_engine):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [
@@ -37,6 +38,7 @@ def test_oversized_prompts_fail_alone(small_engine):
         small_engine.add_request(random_prompt(256, 5), greedy)
 
 
+@pytest.mark.slow
 def test_generation_that_outgrows_the_pool_ends_with_length(small_engine):
     (out,) = small_engine.generate(
         [random_prompt(180, 6)], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -48,6 +50,7 @@ def test_generation_that_outgrows_the_pool_ends_with_length(small_engine):
     assert small_engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_model_context():
     engine = Engine(EngineConfig(max_model_len=64, kv_cache_bytes=8 * BF16_BLOCK_BYTES))
     (out,) = engine.generate(

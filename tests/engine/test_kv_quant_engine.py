@@ -67,6 +67,7 @@ def test_int8_greedy_tokens_match_full_precision(int8, fp32_engine):
     assert packed == full  # measured: all 64 tokens equal
 
 
+@pytest.mark.slow
 def test_prefix_hit_returns_what_a_miss_returns(int8):
     prompt = random_prompt(45, seed=11)  # a miss prefills 32 + 13 tokens: blocks 0-1 cached
     miss = int8.generate([prompt], GREEDY)[0]
@@ -75,6 +76,7 @@ def test_prefix_hit_returns_what_a_miss_returns(int8):
     assert hit.token_ids == miss.token_ids
 
 
+@pytest.mark.slow
 def test_pool_bytes_held_drop_by_the_packed_ratio(int8, fp32_engine):
     prompt = random_prompt(100, seed=3)
     full = fp32_engine.generate([prompt], {"max_tokens": 1})[0]
@@ -86,6 +88,7 @@ def test_pool_bytes_held_drop_by_the_packed_ratio(int8, fp32_engine):
     assert packed.kv_bytes_held / full.kv_bytes_held == pytest.approx(0.297, abs=0.001)
 
 
+@pytest.mark.slow
 def test_the_tail_block_stays_full_precision(int8, fp32_engine):
     """Layer 0's K/V depend on the token embeddings only, so both engines compute them
     identically: the staged tail equals the full pool's bytes, full blocks are within the
@@ -111,6 +114,7 @@ def test_the_tail_block_stays_full_precision(int8, fp32_engine):
             engine.step()
 
 
+@pytest.mark.slow
 def test_eviction_presses_compact_a_packed_pool(int8):
     prompt = english(int8, 160)
     int8.set_compression(parse_method("snapkv:0.5"))
@@ -120,6 +124,7 @@ def test_eviction_presses_compact_a_packed_pool(int8):
     assert len(out.token_ids) == 24
 
 
+@pytest.mark.slow
 def test_a_kivi_press_on_a_packed_pool(int8):
     int8.set_compression(parse_method("kivi8"))  # what the pool already does: dropped
     assert int8.compressor is None

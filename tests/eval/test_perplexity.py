@@ -61,6 +61,7 @@ def test_full_cache_equals_a_plain_forward_pass(runs, text, hf_model_fp32):
     assert 1.0 < full.perplexity < 1000.0  # English prose, not noise
 
 
+@pytest.mark.slow
 def test_a_budget_at_least_the_length_equals_the_full_cache(runs):
     roomy, full = runs["roomy"], runs["full"]
     assert roomy.spec == f"streaming_llm@{4 * LENGTH}"
@@ -68,6 +69,7 @@ def test_a_budget_at_least_the_length_equals_the_full_cache(runs):
     assert roomy.peak_kv_bytes == full.peak_kv_bytes
 
 
+@pytest.mark.slow
 def test_a_small_budget_evicts_and_holds_fewer_bytes(runs, engine):
     bounded, full = runs["bounded"], runs["full"]
     assert bounded.spec == f"streaming_llm@{SINKS_AND_WINDOW}"
@@ -80,6 +82,7 @@ def test_a_small_budget_evicts_and_holds_fewer_bytes(runs, engine):
     assert bounded.mean_kv_bytes < full.mean_kv_bytes
 
 
+@pytest.mark.slow
 def test_engine_is_left_as_found(engine, runs):
     from kvtier.engine.sampling import Sampler
 
