@@ -2,7 +2,7 @@
 growth, and the KV cache they imply, for a trace or a generated workload.
 
 Examples:
-  kvtier analyze ../shared/traces/mooncake_conversation_trace.jsonl
+  kvtier analyze conversation_trace.jsonl      # Mooncake's whole trace (docs/workloads.md)
   kvtier analyze chats.json --trace-format sharegpt --resume-after 60 --json out/chats.json
   kvtier analyze --generate default --seed 3 --model llama-3.1-8b --kv-dtype int8
   kvtier analyze trace.jsonl --decode-tok-s inf       # gaps from arrival to arrival
