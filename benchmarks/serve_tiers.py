@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import signal
 import statistics
 import subprocess
@@ -34,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from serve_child import start_serve
 
 BIN = Path(sys.executable).parent
 WORKLOAD_SETTINGS = [
@@ -101,7 +99,7 @@ def bench_one(label: str, serve_flags: list[str], args: argparse.Namespace, out:
     """Start `kvtier serve`, run `kvtier bench --server` against it, stop it."""
     out.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"serve-{label}.log"
-    url, server = start_server(serve_flags, log)
+    url, server = start_serve(serve_flags, log)
     try:
         command = [
             str(BIN / "kvtier"),
@@ -131,22 +129,6 @@ def bench_one(label: str, serve_flags: list[str], args: argparse.Namespace, out:
     document = json.loads((out / "results.json").read_text())
     document["config"]["out"] = str(out)  # where its requests file is
     return document
-
-
-def start_server(flags: list[str], log: Path) -> tuple[str, subprocess.Popen]:
-    argv = [str(BIN / "kvtier"), "serve", "--host", "127.0.0.1", "--port", "0", *flags]
-    with log.open("w") as handle:
-        server = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=os.environ)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on (http://\S+)", log.read_text())
-        if found and httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
-            return found.group(1), server
-        if server.poll() is not None:
-            break
-        time.sleep(0.2)
-    server.kill()
-    raise SystemExit(f"kvtier serve did not start:\n{log.read_text()}")
 
 
 def render(runs: dict[str, list[dict]]) -> str:

@@ -25,15 +25,13 @@ import asyncio
 import itertools
 import json
 import os
-import re
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from serve_child import start_serve
 
 MODEL = "smollm2"
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b"}
@@ -70,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     flags = [f"--tenant={name}:{key}" for name, key in KEYS.items()] + args.serve_flags
-    base_url, server = start_server(flags, args.src, args.out.with_suffix(".log"))
+    base_url, server = start_serve(flags, args.out.with_suffix(".log"), args.src)
     try:
         result = asyncio.run(measure(base_url, args))
     finally:
@@ -152,25 +150,6 @@ async def ask(http: httpx.AsyncClient, tenant: str, content: str, max_tokens: in
         "/chat/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"}
     )
     return resp.status_code, time.perf_counter() - started
-
-
-def start_server(flags: list[str], src: Path | None, log: Path) -> tuple[str, subprocess.Popen]:
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = str(src.resolve())
-    argv = [sys.executable, "-m", "kvtier.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
-    with log.open("w") as handle:
-        server = subprocess.Popen([*argv, *flags], stdout=handle, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        found = re.search(r"listening on (http://\S+)", log.read_text())
-        if found and httpx.get(found.group(1) + "/health", timeout=5).status_code == 200:
-            return found.group(1), server
-        if server.poll() is not None:
-            break
-        time.sleep(0.2)
-    server.kill()
-    raise SystemExit(f"kvtier serve did not start:\n{log.read_text()}")
 
 
 def _s(seconds: float | None) -> str:
