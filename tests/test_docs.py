@@ -8,8 +8,10 @@
 - Every relative link in docs/, README.md and the records points at a file that exists.
 - Every record opens with its date, machine, command and verdict, and the index lists it.
 - The CLI reference is the parsers' own (regenerate it with
-  `.venv/bin/python tests/test_docs.py --write-cli`), and every `kvtier.toml` key the
-  configuration reference names exists.
+  `.venv/bin/python tests/test_docs.py --write-cli`), every `kvtier.toml` key the
+  configuration reference names exists (`[policy]`, `[tiers]`, `[server]`), the `[tiers]` and
+  `[server]` tables name every key the code accepts, and the metrics reference names exactly
+  the metrics `kvtier serve` exports.
 
 PAGES_PENDING_REWRITE are exempt from the first two checks until they are restructured.
 """
@@ -28,6 +30,7 @@ DOCS = REPO / "docs"
 RECORDS = REPO / "benchmarks" / "records"
 CLI_REFERENCE = DOCS / "reference" / "cli.md"
 CONFIG_REFERENCE = DOCS / "reference" / "config.md"
+METRICS_REFERENCE = DOCS / "reference" / "metrics.md"
 MAX_LINES = 500
 
 # Pages still to be restructured (their dated records moved out, present tense): exempt from
@@ -184,6 +187,74 @@ def test_every_policy_key_the_configuration_reference_names_exists() -> None:
             assert field is not None, f"[policy] {name}: no field {part!r}"
             annotation = field.annotation
             model = annotation if isinstance(annotation, type) else model
+
+
+def _reference_keys(table: str) -> list[str]:
+    """The keys the configuration reference's `[table]` section lists in its key column."""
+    section = CONFIG_REFERENCE.read_text().split(f"## `[{table}]`", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z_.<>]+)`", section, re.M)
+
+
+def test_the_tiers_keys_of_the_configuration_reference_are_the_tables():
+    from kvtier.cache.tiers_file import table_keys
+
+    keys = _reference_keys("tiers")
+    assert keys
+    unknown = sorted(set(keys) - set(table_keys()))
+    assert not unknown, f"[tiers] keys the reference names that the table does not take: {unknown}"
+    missing = sorted(set(table_keys()) - set(keys))
+    assert not missing, f"[tiers] keys missing from docs/reference/config.md: {missing}"
+
+
+def test_the_server_keys_of_the_configuration_reference_are_the_tables():
+    from kvtier.errors import KvtierError
+    from kvtier.server.config import ServerConfig, tenant_from_mapping
+
+    keys = _reference_keys("server")
+    assert keys
+    own = [key for key in keys if not key.startswith("tenants.")]
+    tenant = [key.split(".", 2)[2] for key in keys if key.startswith("tenants.")]
+    known = set(ServerConfig.__dataclass_fields__) - {"tenants"}
+    assert not sorted(set(own) - known), f"[server] keys not in ServerConfig: {set(own) - known}"
+    assert not sorted(known - set(own)), (
+        f"[server] keys missing from the reference: {known - set(own)}"
+    )
+    with pytest.raises(KvtierError, match="unknown server setting"):
+        ServerConfig.from_mapping({"no_such_key": 1})  # the table takes what the fields are
+    assert set(tenant) == {"api_key", "device_quota_bytes"}
+    tenant_from_mapping("t", {"api_key": "k", "device_quota_bytes": 1})
+
+
+def _exported_metrics() -> set[str]:
+    """Every sample name `kvtier serve`'s /metrics has, with tiers and sessions reported."""
+    from types import SimpleNamespace
+
+    from kvtier.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.tier_collector.tiers = {
+        "policy": "cost",
+        "tiers": {"host": {}},
+        "decisions": {"keep": 1},
+    }
+    metrics.session_collector.stats = SimpleNamespace(num_sessions=0, num_sessions_evicted=0)
+    names = set()
+    for family in metrics.registry.collect():
+        if family.type == "histogram":
+            names.add(family.name)  # documented by its base name
+        elif family.type == "counter":
+            names.add(family.name + "_total")
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_the_metrics_reference_names_exactly_the_exported_metrics():
+    documented = set(re.findall(r"^\| `(kvtier:[a-z0-9_]+)`", METRICS_REFERENCE.read_text(), re.M))
+    exported = _exported_metrics()
+    assert documented
+    assert not sorted(documented - exported), f"not exported: {sorted(documented - exported)}"
+    assert not sorted(exported - documented), f"not documented: {sorted(exported - documented)}"
 
 
 if __name__ == "__main__":
