@@ -113,6 +113,9 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     assert "retain" not in {k for k, v in document["config"]["runs"].items() if "prediction" in v}
     verdict = printed[printed.index("### Verdict: this engine") :].splitlines()
     assert [row.split("|")[1].strip() for row in verdict[4:6]] == ["retain", "cost"]
+    # and the sentence under it: two resumed turns per policy are too few to name a winner
+    assert verdict[-1].startswith("On this run, ") and "resumed turns fastest" in verdict[-1]
+    assert "Too small to call: 2 resumed turns for a policy" in verdict[-1]
 
 
 @pytest.mark.slow

@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.results.bill import money_notes
     from kvtier.results.report import markdown, to_document, write_html, write_results
-    from kvtier.results.verdict import render, verdict
+    from kvtier.results.verdict import closing, render, verdict
 
     config = {
         "workload": describe_workload(workload, args),
@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
     _warn_without_resumed(runs, args.resume_after)
     print("\n" + render(verdict(document, "Verdict: this engine")))
+    print(closing(document))
     return 0
 
 

@@ -6,6 +6,12 @@ Both come from results files (`kvtier bench`'s and `kvtier simulate`'s have the 
 resumed-turn TTFT p50 / p99 from the summary, `tokens_recomputed`, bytes read plus written
 over every tier, and from the run's bill (`config.runs[policy].bill`, `results/bill.py`) the
 seconds spent recomputing and the dollars per 1M prompt tokens at `[policy.cost]`'s prices.
+
+`closing` is the sentence under the table: which policy restored resumed turns fastest (lowest
+p50 resumed-turn TTFT; `oracle`, which knows when each session returns, is a bound and never
+the winner) and by how much against the next best and against `retain`. The run is too small
+to call when any policy compared had fewer than `MIN_RESUMED` resumed turns, and too close to
+call when the winner's p50 is not below `CLOSE` times the next best's (within 10%).
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from typing import Any
 
 from kvtier.plan.units import format_bytes
 from kvtier.results.report import Table
+
+MIN_RESUMED = 10  # resumed turns per policy a call needs: a p50 of fewer moves with each turn
+CLOSE = 0.9  # the winner's p50 must be under 0.9x the next best's: closer is within the noise
+BOUND = "oracle"  # knows the future: a bound to compare with, not a policy to deploy
 
 HEADER = ["resumed TTFT p50 / p99 ms", "recomputed tok", "moved", "recompute s", "$ / 1M prompt"]
 
@@ -34,6 +44,46 @@ def side_by_side(
     for policy in [p for p in left if p in right]:
         rows += [[policy, labels[0], *left[policy]], ["", labels[1], *right[policy]]]
     return f"Verdict: {labels[0]}, and {labels[1]}", ["policy", "run", *HEADER], rows
+
+
+def closing(document: Mapping[str, Any]) -> str:
+    """One sentence: the measured winner on resumed-turn TTFT p50, by how much, and whether
+    the run is large and clear enough to call."""
+    p50, count = {}, {}
+    for run in document["runs"]:
+        resumed = run["summary"]["ttft_by_turn_kind"]["resumed"]
+        count[run["policy"]] = resumed.get("count", 0)
+        if resumed.get("median_ms") is not None:
+            p50[run["policy"]] = resumed["median_ms"]
+    ranked = sorted((p for p in p50 if p != BOUND), key=p50.__getitem__)
+    if len(ranked) < 2:
+        return (
+            "On this run, fewer than two policies (oracle aside) had resumed turns: nothing to "
+            "compare (run two or more policies on a workload whose sessions come back)."
+        )
+    best, second = ranked[0], ranked[1]
+    ratio = p50[best] / p50[second] if p50[second] else 1.0
+    against = [f"{ratio:.2f}x {second}'s {_ms(p50[second])} ms (the next best)"]
+    if "retain" in p50 and "retain" not in (best, second):
+        against.append(f"{p50[best] / p50['retain']:.2f}x retain's {_ms(p50['retain'])} ms")
+    sentence = (
+        f"On this run, {best} restores resumed turns fastest: p50 resumed TTFT "
+        f"{_ms(p50[best])} ms, {' and '.join(against)}"
+    )
+    if BOUND in p50:
+        sentence += f"; {BOUND}, which knows when each session returns, {_ms(p50[BOUND])} ms"
+    fewest = min(count[p] for p in ranked)
+    if fewest < MIN_RESUMED:
+        return (
+            f"{sentence}. Too small to call: {fewest} resumed turns for a policy, and a call "
+            f"needs {MIN_RESUMED} or more each (replay more sessions)."
+        )
+    if ratio >= CLOSE:
+        return (
+            f"{sentence}. Too close to call: {best} is within {1 - CLOSE:.0%} of {second}, "
+            "inside a run's noise."
+        )
+    return f"{sentence}."
 
 
 def render(table: Table) -> str:
