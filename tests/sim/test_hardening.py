@@ -64,6 +64,25 @@ def test_the_readme_validation_takes_the_set_up_from_the_bench_run(tmp_path, cap
     assert (tmp_path / "sim" / "validation.json").is_file()
 
 
+def test_the_demo_ends_with_the_verdict_and_the_sentence_on_the_measured_run(
+    tmp_path, capsys, bench_results
+):
+    """`make demo`'s second command: the verdict beside the bench run, then one sentence."""
+    code, out, _ = simulate(
+        capsys, "--workload", "demo", "--lengths-from", str(bench_results), "--model",
+        "llama-3.1-70b", "--hardware", "h100-sxm", "--device-kv-bytes", "1.67GB", "--policies",
+        "retain,offload", "--no-plots", "--out", str(tmp_path / "sim"), "--beside",
+        str(bench_results),
+    )  # fmt: skip
+    assert code == 0
+    tail = out[out.index("### Verdict: measured here") :].splitlines()
+    assert tail[4].startswith("| offload | measured here |")  # the only policy the run had
+    assert tail[-1] == (  # one policy measured: no winner to name
+        "On this run, fewer than two policies (oracle aside) had resumed turns: nothing to "
+        "compare (run two or more policies on a workload whose sessions come back)."
+    )
+
+
 def test_a_flag_given_beats_the_bench_run_and_is_named_as_a_difference(
     tmp_path, capsys, bench_results
 ):
@@ -81,6 +100,34 @@ def test_a_missing_bench_run_is_one_line_before_anything_is_simulated(tmp_path, 
     code, out, err = simulate(capsys, *argv)
     assert code == 2 and out == ""
     assert err == f"kvtier: error: results file {tmp_path}/nothing/results.json does not exist\n"
+
+
+def test_validating_against_a_run_of_another_workload_is_one_line_before_anything_is_simulated(
+    tmp_path, capsys, bench_results
+):
+    """Running the README in order once validated the demo workload against the `sample`
+    run that had last written out/bench: every request missed, and the command exited 0."""
+    document = json.loads(bench_results.read_text())
+    document["config"]["workload"]["name"] = "sample"  # as `kvtier bench --workload sample`
+    bench_results.write_text(json.dumps(document))
+    code, out, err = simulate(capsys, *readme_validation(tmp_path, bench_results))
+    assert code == 2 and out == ""
+    assert err == (
+        f"kvtier: error: cannot validate against {bench_results}: it replayed workload "
+        "'sample', not 'demo'; point --against at a run of this workload, or leave --workload "
+        "and --seed out to take the run's\n"
+    )
+    assert not (tmp_path / "sim").exists()
+
+
+def test_validating_against_another_seed_of_the_preset_is_refused_and_the_runs_own_is_taken(
+    tmp_path, capsys, bench_results
+):
+    code, _, err = simulate(capsys, *readme_validation(tmp_path, bench_results, "--seed", "1"))
+    assert code == 2 and "it replayed workload 'demo' with --seed 0, not 1" in err
+    argv = ["--against", str(bench_results), "--out", str(tmp_path / "sim"), "--no-plots"]
+    code, out, _ = simulate(capsys, *argv)  # the run's workload and seed, taken
+    assert code == 0 and "--workload demo --seed 0" in out.splitlines()[0]
 
 
 def test_the_screen_says_what_is_simulated(tmp_path, capsys, bench_results):

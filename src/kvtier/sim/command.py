@@ -265,20 +265,23 @@ def run(args: argparse.Namespace) -> int:
         written.append(_validate(document, measured, args.against, out))
     print("wrote " + ", ".join(str(p) for p in written))
     if args.beside:
-        from kvtier.results.verdict import render, side_by_side
+        from kvtier.results.verdict import closing, render, side_by_side
 
         labels = ("measured here", f"{args.model} on {args.hardware}, simulated")
-        print("\n" + render(side_by_side(read_results(args.beside), document, labels)))
+        beside = read_results(args.beside)
+        print("\n" + render(side_by_side(beside, document, labels)))
+        print(closing(beside))
     return 0
 
 
 def _settle(args: argparse.Namespace) -> dict[str, Any] | None:
     """Give every set-up flag left out its value: the bench run's with --against (said on one
-    line), else the default. Returns the bench results validated against, if any."""
+    line), else the default. Returns the bench results validated against, if any; refuses
+    them when they are of another workload (or seed of the preset) than the one simulated."""
     measured, taken = None, {}
     if args.against:
         from kvtier.results.report import read_results
-        from kvtier.sim.validation import setup_from
+        from kvtier.sim.validation import other_workload, setup_from
 
         measured = read_results(args.against)
         taken = {
@@ -289,6 +292,13 @@ def _settle(args: argparse.Namespace) -> dict[str, Any] | None:
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, taken.get(key, default))
+    if measured is not None:
+        problem = other_workload(args.workload, args.seed, measured.get("config"))
+        if problem:
+            raise KvtierError(
+                f"cannot validate against {args.against}: {problem}; point --against at a run "
+                "of this workload, or leave --workload and --seed out to take the run's"
+            )
     if taken:
         flags = " ".join(filter(None, (_flag(key, value) for key, value in taken.items())))
         print(f"set up like {args.against}: {flags}")

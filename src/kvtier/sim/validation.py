@@ -75,6 +75,35 @@ def report_lines(judged: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def other_workload(workload: str, seed: int, measured: Any) -> str | None:
+    """Why the measured run (its results `config`) replayed other requests than the
+    simulation of `workload` at `seed` would: another workload, or another seed of the same
+    generator preset (a trace replays the same requests whatever the seed). None when they
+    are the same, or the run does not say."""
+    from kvtier.workload.flags import PRESET_NAMES
+
+    if not isinstance(measured, Mapping):
+        return None
+    recorded = measured.get("workload")
+    if isinstance(recorded, Mapping):  # `kvtier bench`: {name, seed, ...}
+        name, their_seed = recorded.get("name"), recorded.get("seed")
+    else:  # `kvtier simulate`: the name, and the seed beside it
+        name, their_seed = recorded, measured.get("seed")
+    if not isinstance(name, str):
+        return None
+    if not _same_workload(workload, name):
+        return f"it replayed workload {name!r}, not {workload!r}"
+    if workload in PRESET_NAMES and isinstance(their_seed, int) and their_seed != seed:
+        return f"it replayed workload {name!r} with --seed {their_seed}, not {seed}"
+    return None
+
+
+def _same_workload(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    return Path(a).is_file() and Path(b).is_file() and Path(a).resolve() == Path(b).resolve()
+
+
 def setup_mismatches(simulated: Mapping[str, Any], measured: Mapping[str, Any]) -> list[str]:
     """Where the simulation's configuration (results.json `config` of `kvtier simulate`)
     differs from the bench run's (`kvtier bench`'s): one line per difference."""
