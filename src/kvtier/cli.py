@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Line by line into a log or a pipe too (Python buffers whole blocks there): a command of
+    # minutes shows each policy, run or task as it finishes, not everything at its end.
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):

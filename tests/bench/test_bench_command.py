@@ -148,3 +148,38 @@ def test_oracle_runs_as_a_policy_object(capsys, tmp_path):
     assert stats["tiers"]["policy"] == "oracle"
     assert sum(stats["tiers"]["policy_runs"].values()) > 0
     assert document["runs"][0]["summary"]["failed"] == 0
+
+
+def test_progress_off_a_terminal_is_a_line_at_each_tenth_of_the_requests(capsys):
+    """A bench run into a log or a pipe (stderr not a terminal, as under pytest) says it
+    started and shows it moving, where a rich bar would print nothing until the end."""
+    from kvtier.bench.command import _progress
+
+    with _progress("cost", 25, disabled=False) as advance:
+        for _ in range(25):
+            advance()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "cost: replaying 25 requests"
+    finished = [line.split(" requests")[0] for line in lines[1:]]
+    assert finished == [f"cost: {n}/25" for n in (3, 5, 8, 10, 13, 15, 18, 20, 23, 25)]
+    assert lines[-1].startswith("cost: 25/25 requests finished, ") and lines[-1].endswith(" s")
+    with _progress("cost", 25, disabled=True) as advance:  # --no-progress
+        advance()
+    assert capsys.readouterr().err == ""
+
+
+def test_the_command_line_writes_line_by_line_into_a_pipe():
+    """Python buffers a pipe's output in blocks; kvtier's commands of minutes must show each
+    line as it comes (eval's per-run scores, bench's tables), so the CLI makes it line-buffered."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kvtier.cli import main; "
+        "main(['plan', '--model', 'seed-70b', '--context', '8000']); "
+        "print(sys.stdout.line_buffering, file=sys.stderr)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stderr.strip() == "True" and "seed-70b" in result.stdout

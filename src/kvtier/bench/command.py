@@ -335,7 +335,9 @@ def _named_config(policy_config: Any, name: str) -> Any:
 
 
 class _progress:
-    """A rich progress bar (requests finished) on stderr, or nothing."""
+    """Requests finished, on stderr: a rich progress bar on a terminal; elsewhere (a log file,
+    a pipe, CI) a plain line when the run starts, at each tenth of its requests and at its
+    end, so a run of minutes is seen to move. Nothing with --no-progress."""
 
     def __init__(self, name: str, total: int, disabled: bool) -> None:
         self.name, self.total, self.disabled = name, total, disabled
@@ -345,6 +347,9 @@ class _progress:
         if self.disabled:
             return lambda: None
         from rich.console import Console
+
+        if not Console(stderr=True).is_terminal:
+            return self._lines()
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -363,6 +368,24 @@ class _progress:
         self.bar.start()
         task = self.bar.add_task(self.name, total=self.total)
         return lambda: self.bar.advance(task)
+
+    def _lines(self):
+        name, total, started = self.name, self.total, time.perf_counter()
+        print(f"{name}: replaying {total:,} requests", file=sys.stderr, flush=True)
+        done = 0
+
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            if done * 10 // total > (done - 1) * 10 // total:  # a tenth crossed, or the end
+                seconds = time.perf_counter() - started
+                print(
+                    f"{name}: {done:,}/{total:,} requests finished, {seconds:,.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        return advance
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
