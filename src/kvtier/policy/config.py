@@ -225,8 +225,9 @@ class PolicyConfig(_Section):
 
 
 class RequestOverrides(_Section):
-    """Per-request retention hints (e.g. an API request's `kvtier` field); the engine copies
-    them into the session's view."""
+    """Per-session retention hints, as `SessionView` carries them to the policies (`pin` is
+    its `pinned`). Validated here; no request path sets them yet (not `kvtier serve`, the
+    engine or the simulator)."""
 
     pin: bool = False
     priority: Annotated[int, Field(ge=-8, le=8)] = 0
