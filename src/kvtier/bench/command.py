@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the demo workload (preset `demo`: 2 sessions with ~4K-token histories), 1 thread",
+        help="the demo workload (preset `demo`: 2 sessions with ~4K-token histories), 1 thread, "
+        f"{QUICK_POLICIES.count(',') + 1} policies ({QUICK_POLICIES.replace(',', ', ')})",
     )
     work = add_workload_arguments(parser, default="quick")
     scale = work.add_argument(
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("chunk", "layer"),
         default="chunk",
         help="restore disk chunks whole before the forward (chunk, default) or a layer at a "
-        "time beside it (layer; docs/tiers.md)",
+        "time beside it (layer; docs/layered-restore.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     batched = eng.add_argument(

@@ -61,9 +61,9 @@ class TiersConfig:
     `restore_pipeline`: "chunk" restores every chunk whole before the forward that uses it;
     "layer" writes full-precision chunks to disk and Redis as layered records (one checksum
     per layer) and restores them a layer at a time while the forward runs (the forward waits
-    for layer i, verified, before layer i's attention): docs/tiers.md, "Layer-wise pipelined
-    restore" (signed and sealed records too: each layer's checksum, the signature or the
-    seal's tag with the last layer). Quantized forms, the host tier, O_DIRECT disk tiers and
+    for layer i, verified, before layer i's attention): docs/layered-restore.md (signed and
+    sealed records too: each layer's checksum, the signature or the seal's tag with the last
+    layer). Quantized forms, the host tier, O_DIRECT disk tiers and
     engines whose forward does not wait per layer (vLLM) keep the whole-chunk path.
     `disk_copy`, with a persistent disk tier (`disk_persist`) under a host tier: "on_write"
     copies each chunk the host tier takes to disk as well, right after it on the same worker,
@@ -80,7 +80,8 @@ class TiersConfig:
     key without one). `integrity`, how the remote tier protects its values: "encrypt"
     (sealed), "mac" (signed with `encrypt_key`: readable, but nobody without the key can
     forge one), "none" (checksummed only; warned at start). None picks "encrypt" with
-    `encrypt`, else "mac" when `encrypt_key` is set, else "none" (docs/tiers.md, Threat model).
+    `encrypt`, else "mac" when `encrypt_key` is set, else "none" (docs/storage-format.md,
+    "Threat model").
     """
 
     host_bytes: int = 1 << 30

@@ -1,16 +1,17 @@
 """LayerLoader: one step's layered chunks read a layer at a time while the forward runs.
 
-The layer-wise pipelined restore (`TiersConfig.restore_pipeline = "layer"`, docs/tiers.md):
-a thread reads layer 0 of every chunk of the step, verifies each against the layer's own
-checksum (`tiers.record`, layered records), and only then says layer 0 is ready; then layer
-1, and so on. The forward waits in `wait(i)` before layer i's attention reads the pool
-(`KVConnector.layer_ready`), so the new tokens' layers 0..i-1 are computed while layers
-i.. are still being read. Nothing unverified is ever signalled as ready: a layer that fails
-its check (or a tier that fails) marks its chunk failed; a layer not ready by the deadline
-marks every chunk still loading failed (the forward then goes on without it). `finish`,
-after the forward, stops and joins the thread and names the failed chunks: the engine throws
-those requests' step away and they recompute from the failed chunk's first block, which is
-why a chunk's bytes may be half written or unverified when the forward reads them.
+The layer-wise pipelined restore (`TiersConfig.restore_pipeline = "layer"`,
+docs/layered-restore.md): a thread reads layer 0 of every chunk of the step, verifies each
+against the layer's own checksum (`tiers.record`, layered records), and only then says layer
+0 is ready; then layer 1, and so on. The forward waits in `wait(i)` before layer i's
+attention reads the pool (`KVConnector.layer_ready`), so the new tokens' layers 0..i-1 are
+computed while layers i.. are still being read. Nothing unverified is ever signalled as
+ready: a layer that fails its check (or a tier that fails) marks its chunk failed; a layer
+not ready by the deadline marks every chunk still loading failed (the forward then goes on
+without it). `finish`, after the forward, stops and joins the thread and names the failed
+chunks: the engine throws those requests' step away and they recompute from the failed
+chunk's first block, which is why a chunk's bytes may be half written or unverified when the
+forward reads them.
 """
 
 from __future__ import annotations

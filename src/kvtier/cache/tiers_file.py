@@ -6,13 +6,14 @@ master key comes from a file::
 
     [tiers]
     host_bytes = "8GiB"            # sizes: bytes, or "512MiB", "8GiB", "1TB"; 0 turns it off
-    disk_dir = "/var/cache/kvtier" # a persistent disk tier: survives restarts
+    disk_dir = "kv-cache"          # a persistent disk tier (survives restarts); relative
+                                   # paths are taken from the directory kvtier runs in
     disk_bytes = "100GiB"
     remote_url = "redis://cache:6379/0"
     remote_bytes = "8GiB"          # this replica's own writes; the global bound is Redis's
     remote_cluster = false         # true: a Redis Cluster (remote_url names one node)
     encrypt = true                 # seal disk and remote records (AES-GCM)
-    encrypt_key_file = "/etc/kvtier/master.key"
+    encrypt_key_file = "keys/master.key"
     create_key = true              # write a fresh key there on first start (mode 0600)
     chunk_tokens = 256
     write_through = false          # true: every finished turn's chunks; "selective": reused ones

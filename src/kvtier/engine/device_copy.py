@@ -70,7 +70,7 @@ class CpuCopy:
 
     def save(self, port: KVBlockPort, block_ids: Sequence[int]) -> HostBlocks:
         # torch's own large tensors start 64 bytes into a page, which would send every spill
-        # to an O_DIRECT disk tier through a bounce copy (docs/tiers.md).
+        # to an O_DIRECT disk tier through a bounce copy (docs/backends/disk.md).
         shape = (len(block_ids), *port.block_shape)
         nbytes = math.prod(shape) * port.dtype.itemsize
         staging = aligned_bytes(nbytes, PAGE_BYTES).view(port.dtype).view(shape)

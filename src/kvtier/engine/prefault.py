@@ -3,10 +3,10 @@
 Why: the device KV pool on CPU is an anonymous memory map (`kv_pool.zeros`) that the kernel
 fills on first write. Until every block has been written once, a restore into a block no
 request has used yet pays the page faults and the kernel's zeroing inside the copy: the
-first host restore after start-up took 2.4-2.6x as long as later ones (docs/tiers.md, "The
-slow first host restore"). Touching the pool while the engine starts costs about 1 s per
-GiB of start-up latency on this VM; doing it here costs none, and the pages are resident
-before the first restores come.
+first host restore after start-up took 2.4-2.6x as long as later ones
+(benchmarks/records/2026-12-01-kv-pool-prefault.md). Touching the pool while the engine
+starts costs about 1 s per GiB of start-up latency on this VM; doing it here costs none, and
+the pages are resident before the first restores come.
 
 How: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) faults the pages in writable the way a
 write would, but does not write: a page already there is left alone and a new one is the

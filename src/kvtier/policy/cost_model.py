@@ -156,7 +156,7 @@ class CodecSpeed:
 # benchmarks/resume.py's codec timing (docs/cache.md "Forms"): one 256-token chunk of SmolLM2
 # KV (5,898,240 bytes of bf16) on this project's 2-vCPU VM, one torch thread, medians of 7:
 # encode 12.5 ms (int8) / 10.1 ms (int4), decode 8.9 / 2.1 ms (INT4's fused decode,
-# compress/fused.py: docs/tiers.md "The fused INT4 decode").
+# compress/fused.py; benchmarks/records/2026-12-01-fused-int4-decode.md).
 _CHUNK = 5_898_240
 MEASURED_CPU_CODECS = {
     "int8": CodecSpeed(_CHUNK / 12.5e-3, _CHUNK / 8.9e-3),

@@ -2,7 +2,8 @@
 
 Kept beside the backends (as LMCache keeps its backend factory), so a new tier is its own
 module plus one branch here. The key handling lives here too: one master key seals disk and
-remote records (AES-GCM) or signs remote ones (AES-GMAC), see docs/tiers.md, Threat model.
+remote records (AES-GCM) or signs remote ones (AES-GMAC), see docs/storage-format.md,
+"Threat model".
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class RedisTier(TierBackend):
         sealer, signer: encrypt and authenticate every value (AES-GCM), or only authenticate
             it (GMAC); at most one. With neither, a value is only checksummed, and whoever can
             write to the server can make this tier serve bytes of their choosing: logged as a
-            warning (see "Threat model" in docs/tiers.md).
+            warning (see "Threat model" in docs/storage-format.md).
         layered: write full-precision chunks as layered records (record.py: a layer is one
             contiguous range of the value), read back a layer at a time with pipelined
             GETRANGEs by the pipelined restore (signed and sealed ones too: record.LayerCheck
@@ -715,7 +715,7 @@ class RedisTier(TierBackend):
     def _check_server_budget(self, client: Any) -> None:
         """Warn once when the server itself bounds nothing. This tier counts only its own
         writes, so under several replicas the global budget is Redis's: `maxmemory` with an
-        evicting policy (docs/tiers.md, "Replicas")."""
+        evicting policy (docs/guides/serve-with-tiers.md, "Replicas sharing Redis")."""
         if self.cluster:
             return  # INFO answers per node; each node's own settings apply
         try:
