@@ -77,36 +77,36 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         "kvtier plan --model src/kvtier/data/models/qwen2.5-7b.json --context 4096 "
         "--hardware h200 --json": Run(),
         "kvtier plan --layers 32 --kv-heads 8 --head-dim 128 --params 8e9 --context 8192": Run(),
-        "kvtier analyze sample": Run(),
+        "kvtier analyze sample --out out/analyze-sample": Run(),
         "kvtier analyze tests/analyze/data/tiny_bailian.jsonl --trace-format bailian "
-        "--model llama-3.1-8b --json out/a.json": Run(),
-        "kvtier analyze --generate default --seed 1 --out out/analyze": Run(),
+        "--model llama-3.1-8b --json out/analyze-bailian/figures.json "
+        "--out out/analyze-bailian": Run(),
+        "kvtier analyze --generate default --seed 1 --out out/analyze-generated": Run(),
         # one policy: each replay prefills the demo's two ~4.2K-token histories (seconds each)
         BENCH_QUICK: Run(("--policies", "offload")),
         "kvtier bench --workload default --sessions 4 --scale-to-context 2048 "
-        "--policies offload,cost --kv-cache-bytes 64MiB": Run(
-            ("--sessions", "1", "--policies", "offload", "--out", "out/bench-default")
+        "--policies offload,cost --kv-cache-bytes 64MiB --out out/bench-default": Run(
+            ("--sessions", "1", "--policies", "offload")
         ),
-        "kvtier bench --workload sample --scale-to-context 2048 --sessions 20": Run(
-            ("--sessions", "2", "--policies", "offload", "--out", "out/bench-sample")
-        ),
+        "kvtier bench --workload sample --scale-to-context 2048 --sessions 20 "
+        "--out out/bench-sample": Run(("--sessions", "2", "--policies", "offload")),
         "kvtier simulate --workload default --policies offload,cost,oracle "
-        "--device-kv-bytes 40GB": Run(("--workload-set", "sessions=60", "--out", "out/sim")),
+        "--device-kv-bytes 40GB --out out/simulate-default": Run(("--workload-set", "sessions=60")),
         "kvtier simulate sweep --resume-shares 0.2,0.8 --contexts 4000,32000 "
-        "--hardware h100-sxm,l40s": Run(("--sessions", "20", "--out", "out/sweep")),
+        "--hardware h100-sxm,l40s --out out/simulate-sweep": Run(("--sessions", "20")),
         "kvtier simulate seeds --workload multiclass --seeds 0-4 "
-        "--policies offload,cost,oracle": Run(
-            ("--workload-set", "sessions=40", "--seeds", "0-1", "--out", "out/seeds")
+        "--policies offload,cost,oracle --out out/simulate-seeds": Run(
+            ("--workload-set", "sessions=40", "--seeds", "0-1")
         ),
         "kvtier calibrate --quick --threads 1": Run(("--out", "out/local-cpu.toml")),
         "kvtier simulate --workload demo --hardware local-cpu --timer-after-steps "
-        "--shared-prefixes --validate --against out/bench/results.json": Run(
-            ("--out", "out/validate"), needs=BENCH_QUICK
+        "--shared-prefixes --validate --against out/bench/results.json "
+        "--out out/simulate-validate": Run(needs=BENCH_QUICK),
+        "kvtier eval --quick --out out/eval-quick": Run(
+            ("--tasks", "passkey", "--methods", "knorm")
         ),
-        "kvtier eval --quick": Run(("--tasks", "passkey", "--methods", "knorm", "--out", "out/e1")),
-        "kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4k --samples 4": Run(
-            ("--tasks", "passkey", "--samples", "1", "--out", "out/e2")
-        ),
+        "kvtier eval --methods snapkv,tova --ratios 0,0.5,0.875 --lengths 4k --samples 4 "
+        "--out out/eval-snapkv-tova": Run(("--tasks", "passkey", "--samples", "1")),
         "kvtier serve --port 8000": WithServer("plain"),
         "kvtier serve --tenant acme:sk-acme:268435456 --tenant beta:sk-beta "
         "--admin-key sk-admin": WithServer("tenants"),
@@ -137,6 +137,26 @@ def test_every_readme_command_is_run_by_this_test() -> None:
     assert not missing, f"README commands this test does not run: {missing}"
     stale = [command for command in HOW if command not in shown]
     assert not stale, f"commands in HOW that README no longer shows: {stale}"
+
+
+WRITERS = ("analyze", "bench", "simulate", "eval")  # the commands that write results folders
+
+
+def test_every_readme_command_writes_to_its_own_out_folder() -> None:
+    """Run in order, no README command reads another's results by accident: each one that
+    writes results names its own `--out` (the one that validates against `kvtier bench
+    --quick` reads that run's folder, and only it writes there)."""
+    folders: dict[str, str] = {}
+    for command in readme_commands():
+        tokens = shlex.split(command)
+        if tokens[0] != "kvtier" or tokens[1] not in WRITERS:
+            continue
+        assert "--out" in tokens, f"{command} writes to the default folder"
+        folder = tokens[tokens.index("--out") + 1]
+        assert folder.startswith("out/"), command
+        assert folder not in folders, f"{command} and {folders[folder]} both write {folder}"
+        folders[folder] = command
+    assert folders["out/bench"] == _canon(BENCH_QUICK)
 
 
 def _argv(tokens: list[str], out_dir: Path, port: int | None = None) -> list[str]:
