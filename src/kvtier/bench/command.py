@@ -101,20 +101,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("selective",),
         metavar="selective",
         help="copy each finished turn's full chunks to the top tier at once; `selective`: "
-        "only the chunks its prompt reused (docs/cache.md)",
+        "only the chunks its prompt reused (docs/tiers.md)",
     )
     eng.add_argument(
         "--keep-moved",
         action="store_true",
         help="a chunk a policy moves off the device keeps its blocks, hittable, until the "
-        "pool needs them (tiers.keep_moved; docs/cache.md)",
+        "pool needs them (tiers.keep_moved; docs/tiers.md)",
     )
     eng.add_argument(
         "--restore-pipeline",
         choices=("chunk", "layer"),
         default="chunk",
         help="restore disk chunks whole before the forward (chunk, default) or a layer at a "
-        "time beside it (layer; docs/layered-restore.md)",
+        "time beside it (layer; docs/tiers.md)",
     )
     eng.add_argument("--max-num-seqs", type=int, default=8, help="running requests (8)")
     batched = eng.add_argument(

@@ -1,6 +1,6 @@
 """Tiered KV for the engine: device blocks demoted to host / disk / remote and restored.
 
-See docs/cache.md. `build_engine(EngineConfig(...), CacheConfig(TiersConfig(...), policy))`
+See docs/tiers.md. `build_engine(EngineConfig(...), CacheConfig(TiersConfig(...), policy))`
 gives an engine a `TieredConnector` (the engine's connector contract: loads into the blocks
 the scheduler allocates, spills, prefetch) and a `PolicyRunner` (the retention policy on the
 engine clock and under memory pressure).

@@ -55,13 +55,13 @@ class TiersConfig:
     chunks staged in host memory waiting for them (a spill that finds it full is dropped and
     the KV recomputed later); a failed copy is tried `retries` more times, then it is a miss.
     `forms`: the form each tier stores chunks in, e.g. {"disk": "int8", "remote": "int4"}
-    ("full", "int8", "int4"; see docs/cache.md "Forms"). A tier not listed keeps the form of
+    ("full", "int8", "int4"; see docs/tiers.md "Forms"). A tier not listed keeps the form of
     the tier above it (the top tier: "full"); a tier may not be more precise than the one
     above it. Chunks are encoded on the mover's worker as they enter the tier.
     `restore_pipeline`: "chunk" restores every chunk whole before the forward that uses it;
     "layer" writes full-precision chunks to disk and Redis as layered records (one checksum
     per layer) and restores them a layer at a time while the forward runs (the forward waits
-    for layer i, verified, before layer i's attention): docs/layered-restore.md (signed and
+    for layer i, verified, before layer i's attention): docs/tiers.md (signed and
     sealed records too: each layer's checksum, the signature or the seal's tag with the last
     layer). Quantized forms, the host tier, O_DIRECT disk tiers and
     engines whose forward does not wait per layer (vLLM) keep the whole-chunk path.

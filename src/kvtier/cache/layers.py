@@ -1,7 +1,7 @@
 """LayerLoader: one step's layered chunks read a layer at a time while the forward runs.
 
 The layer-wise pipelined restore (`TiersConfig.restore_pipeline = "layer"`,
-docs/layered-restore.md): a thread reads layer 0 of every chunk of the step, verifies each
+docs/tiers.md): a thread reads layer 0 of every chunk of the step, verifies each
 against the layer's own checksum (`tiers.record`, layered records), and only then says layer
 0 is ready; then layer 1, and so on. The forward waits in `wait(i)` before layer i's
 attention reads the pool (`KVConnector.layer_ready`), so the new tokens' layers 0..i-1 are

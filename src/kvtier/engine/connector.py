@@ -33,7 +33,7 @@ Ownership, and what happens on failure:
   the connector's loads have stopped writing, and the requests it names had a layer fail or
   come late, so their step is thrown away (no token sampled, the new KV not counted) and
   they recompute from the named block in the next step; the other requests of the batch
-  are unaffected. See docs/layered-restore.md.
+  are unaffected. See docs/tiers.md.
 - **A load that fails** (missing, late, corrupt, forged) is reported by `wait_for_loads`
   as the first block index of that request that was not filled. The engine rolls the request
   back to that block: it is recomputed from there, so a failing tier costs time, never

@@ -153,7 +153,7 @@ class CodecSpeed:
         return cls(bandwidth / (2 + ratio), bandwidth / (1 + ratio))
 
 
-# benchmarks/resume.py's codec timing (docs/cache.md "Forms"): one 256-token chunk of SmolLM2
+# benchmarks/resume.py's codec timing (docs/tiers.md "Forms"): one 256-token chunk of SmolLM2
 # KV (5,898,240 bytes of bf16) on this project's 2-vCPU VM, one torch thread, medians of 7:
 # encode 12.5 ms (int8) / 10.1 ms (int4), decode 8.9 / 2.1 ms (INT4's fused decode,
 # compress/fused.py; benchmarks/records/2026-12-01-fused-int4-decode.md).

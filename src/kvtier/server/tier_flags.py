@@ -58,7 +58,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--restore-pipeline",
         choices=("chunk", "layer"),
         help="restore disk and Redis chunks whole before the forward (chunk, the default) "
-        "or a layer at a time beside it (layer; docs/layered-restore.md)",
+        "or a layer at a time beside it (layer; docs/tiers.md)",
     )
     group.add_argument(
         "--tiers-set",

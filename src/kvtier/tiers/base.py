@@ -230,7 +230,7 @@ class TierBackend(ABC):
         this process writes have nothing to add to the store's index."""
         return [None] * len(keys)
 
-    # -- layer reads (the layer-wise pipelined restore, docs/layered-restore.md) --------
+    # -- layer reads (the layer-wise pipelined restore, docs/tiers.md) ----------------
 
     @property
     def layered(self) -> bool:

@@ -27,7 +27,7 @@
 
 A layered record (version 2, written by a tier built with `layered=True`, for unsealed
 full-precision chunks; version 3 when the tier signs them) serves the layer-wise pipelined
-restore (docs/layered-restore.md): its metadata field starts with a layer table, `L` (u16) and one
+restore (docs/tiers.md): its metadata field starts with a layer table, `L` (u16) and one
 xxh3-64 per layer (u64 each), before the payload's own metadata; and its body is stored
 layer-major: the payload is [blocks, L, ...] block-major, the body is the same bytes with
 the first two axes swapped, so layer i of the chunk is one contiguous range `[i * B / L, (i
