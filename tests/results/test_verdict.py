@@ -52,3 +52,11 @@ def test_the_top_two_within_ten_percent_is_too_close_to_call():
 def test_without_two_policies_that_had_resumed_turns_there_is_nothing_to_compare():
     for doc in (document(offload=(300.0, 4)), document(offload=(300.0, 4), cost=(None, 0))):
         assert "nothing to compare" in closing(doc)
+
+
+def test_the_sentence_names_the_run_it_is_about():
+    """Under `simulate --beside`'s table of two runs it says which run it calls."""
+    doc = document(retain=(2000.0, 12), cost=(400.0, 12))
+    assert closing(doc, "the run measured here").startswith(
+        "On the run measured here, cost restores resumed turns fastest"
+    )

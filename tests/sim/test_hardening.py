@@ -78,8 +78,8 @@ def test_the_demo_ends_with_the_verdict_and_the_sentence_on_the_measured_run(
     tail = out[out.index("### Verdict: measured here") :].splitlines()
     assert tail[4].startswith("| offload | measured here |")  # the only policy the run had
     assert tail[-1] == (  # one policy measured: no winner to name
-        "On this run, fewer than two policies (oracle aside) had resumed turns: nothing to "
-        "compare (run two or more policies on a workload whose sessions come back)."
+        "On the run measured here, fewer than two policies (oracle aside) had resumed turns: "
+        "nothing to compare (run two or more policies on a workload whose sessions come back)."
     )
 
 

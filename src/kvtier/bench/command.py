@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
     _warn_without_resumed(runs, args.resume_after)
     print("\n" + render(verdict(document, "Verdict: this engine")))
-    print(closing(document))
+    print("\n" + closing(document))
     return 0
 
 

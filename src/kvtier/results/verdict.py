@@ -46,19 +46,19 @@ def side_by_side(
     return f"Verdict: {labels[0]}, and {labels[1]}", ["policy", "run", *HEADER], rows
 
 
-def closing(document: Mapping[str, Any]) -> str:
-    """One sentence: the measured winner on resumed-turn TTFT p50, by how much, and whether
-    the run is large and clear enough to call."""
+def closing(document: Mapping[str, Any], run: str = "this run") -> str:
+    """One sentence about `run` (the document's): the winner on resumed-turn TTFT p50, by how
+    much, and whether the run is large and clear enough to call."""
     p50, count = {}, {}
-    for run in document["runs"]:
-        resumed = run["summary"]["ttft_by_turn_kind"]["resumed"]
-        count[run["policy"]] = resumed.get("count", 0)
+    for entry in document["runs"]:
+        resumed = entry["summary"]["ttft_by_turn_kind"]["resumed"]
+        count[entry["policy"]] = resumed.get("count", 0)
         if resumed.get("median_ms") is not None:
-            p50[run["policy"]] = resumed["median_ms"]
+            p50[entry["policy"]] = resumed["median_ms"]
     ranked = sorted((p for p in p50 if p != BOUND), key=p50.__getitem__)
     if len(ranked) < 2:
         return (
-            "On this run, fewer than two policies (oracle aside) had resumed turns: nothing to "
+            f"On {run}, fewer than two policies (oracle aside) had resumed turns: nothing to "
             "compare (run two or more policies on a workload whose sessions come back)."
         )
     best, second = ranked[0], ranked[1]
@@ -67,7 +67,7 @@ def closing(document: Mapping[str, Any]) -> str:
     if "retain" in p50 and "retain" not in (best, second):
         against.append(f"{p50[best] / p50['retain']:.2f}x retain's {_ms(p50['retain'])} ms")
     sentence = (
-        f"On this run, {best} restores resumed turns fastest: p50 resumed TTFT "
+        f"On {run}, {best} restores resumed turns fastest: p50 resumed TTFT "
         f"{_ms(p50[best])} ms, {' and '.join(against)}"
     )
     if BOUND in p50:

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         labels = ("measured here", f"{args.model} on {args.hardware}, simulated")
         beside = read_results(args.beside)
         print("\n" + render(side_by_side(beside, document, labels)))
-        print(closing(beside))
+        print("\n" + closing(beside, "the run measured here"))
     return 0
 
 
