@@ -715,7 +715,7 @@ class RedisTier(TierBackend):
     def _check_server_budget(self, client: Any) -> None:
         """Warn once when the server itself bounds nothing. This tier counts only its own
         writes, so under several replicas the global budget is Redis's: `maxmemory` with an
-        evicting policy (docs/guides/serve-with-tiers.md, "Replicas sharing Redis")."""
+        evicting policy (docs/serve.md, "Replicas sharing Redis")."""
         if self.cluster:
             return  # INFO answers per node; each node's own settings apply
         try:
