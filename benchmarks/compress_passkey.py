@@ -1,4 +1,4 @@
-"""Passkey retrieval under each press at ratio 0.5 (docs/compression.md, "Passkey"): one
+"""Passkey retrieval under each press at ratio 0.5 (docs/compression.md, "What the presses and the packed pool cost"): one
 prompt per needle depth, greedy; prints the answer, tokens and pool bytes held."""
 
 from pathlib import Path
