@@ -1,5 +1,6 @@
 """Decode time per token with a compressed cache (docs/compression.md, "What the presses and
-the packed pool cost"): median inter-token latency over 32 tokens after a 1,500-token prompt, median of 3 runs.
+the packed pool cost"): median inter-token latency over 32 tokens after a 1,500-token prompt,
+median of 3 runs.
 
 Rows are presses on the full-precision pool (one engine, `set_compression`), then packed
 pools (`EngineConfig.kv_quant`, one engine each: the storage form is fixed per engine).

@@ -1,5 +1,6 @@
 """Passkey retrieval under each press at ratio 0.5 (docs/compression.md, "What the presses and
-the packed pool cost"): one prompt per needle depth, greedy; prints the answer, tokens and pool bytes held."""
+the packed pool cost"): one prompt per needle depth, greedy; prints the answer, tokens and pool
+bytes held."""
 
 from pathlib import Path
 
