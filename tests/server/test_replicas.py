@@ -92,7 +92,7 @@ def nginx(tmp_path: Path):
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[tuple[RedisServer, list[ServeProcess]]]:
-    # The global budget lives in Redis itself (docs/tiers.md, "Replicas").
+    # The global budget lives in Redis itself (docs/serve.md, "Replicas sharing Redis").
     redis = RedisServer(tmp_path / "redis", None, "--maxmemory", "64mb")
     redis.start()
     redis.client().config_set("maxmemory-policy", "allkeys-lru")

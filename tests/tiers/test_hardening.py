@@ -215,7 +215,7 @@ def test_a_forged_value_is_a_miss_never_the_forged_bytes(
 def test_without_a_key_a_forgery_is_served_and_the_tier_says_so_at_start(
     redis_url: str, make_payload: Callable[..., Payload], same, caplog
 ) -> None:
-    """The trade-off of the default without a key (docs/tiers.md, Threat model)."""
+    """The trade-off of the default without a key (docs/storage-format.md, Threat model)."""
     payload, forged = make_payload(seed=1), make_payload(seed=2)
     assert forged.data is not None
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers"):

@@ -37,7 +37,7 @@ def test_round_trip_bf16_and_fp32_one_by_one_and_pipelined(redis_url, make_paylo
 def test_keys_carry_the_namespace_and_a_ttl(redis_url, make_payload) -> None:
     tier = RedisTier(redis_url, 8 << 20, prefix="kvt", ttl_s=60)
     tier.put(b"\x01\x02", make_payload(), namespace="tenant-a")
-    # the keyspace of an unkeyed tier is "none" (docs/tiers.md, "Remote tier")
+    # the keyspace of an unkeyed tier is "none" (docs/backends/redis.md, "Keyspaces")
     assert list(keys_on_server(redis_url)) == [b"kvt:none:tenant-a:0102"]
     assert tier.get(b"\x01\x02", namespace="tenant-b") is None  # another tenant: another key
     with redis.Redis.from_url(redis_url) as client:
