@@ -195,7 +195,7 @@ def test_replay_costs_are_what_the_policies_imply():
                 reason="the censored gap estimate, early in a tiny run (one return among seven "
                 "idle sessions at t = 40), takes s6 and s7 as unlikely back, and the pressure "
                 "call then drops the s7 chunk that offload keeps on host: 5.685 s against "
-                "offload's 4.923 (docs/policy.md, 'Censored gaps, on the merged policy')",
+                "offload's 4.923 (benchmarks/records/2026-12-02-censored-gaps-merged.md)",
             ),
         ),
         {"device": 3 * SESSION_BYTES},
