@@ -4,8 +4,8 @@
 float32, scale, shift, cast to bfloat16): torch has no fused CPU operation for it, and
 `torch.compile` would need a C++ compiler at run time. These kernels, compiled by numba
 (LLVM, no C compiler) and cached on disk, read each packed byte once and write the bfloat16
-bits of its two values, in loops LLVM vectorises (docs/tiers.md "Quantized forms against
-full precision": 4x faster than the torch passes per chunk).
+bits of its two values, in loops LLVM vectorises: 4x faster than the torch passes per chunk
+(benchmarks/records/2026-12-01-fused-int4-decode.md).
 
 They take `IntCodec`'s INT4 layout of a chunk [blocks * layers, K|V, heads, tokens, dim]
 written into a contiguous bfloat16 tensor, whose groups fill their axis (no padding):

@@ -69,8 +69,8 @@ class EngineConfig:
     # call; 1.2-1.5x faster decode at 8K. Its bf16 attention rows differ in the last bits
     # from prefill's, which once made turns resumed from KV that decodes wrote answer
     # otherwise than recomputed; with one-row matmuls computed as two (llama.Linear) the
-    # restore tests hold with it on (docs/engine.md, "A paged decode kernel"). Without a C++
-    # compiler the engine logs it and keeps the gather; False keeps it too.
+    # restore tests hold with it on (benchmarks/records/2026-12-02-paged-decode-kernel.md).
+    # Without a C++ compiler the engine logs it and keeps the gather; False keeps it too.
     paged_decode: bool = True
 
     def __post_init__(self) -> None:

@@ -143,8 +143,9 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 # oneDNN computes a one-row bf16 matmul with another kernel, and past 1,024 input features
 # that kernel rounds some outputs differently from the same row in a call of 2 to 700 rows
 # (measured on real activations: 10% of the down projection's rows of SmolLM2, none of its
-# 576-feature matmuls; docs/engine.md "One-row matmuls"). A sequence decoding alone would then
-# answer otherwise than beside another request, so `Linear` never hands it one such row.
+# 576-feature matmuls; benchmarks/records/2026-12-02-one-row-matmuls.md). A sequence decoding
+# alone would then answer otherwise than beside another request, so `Linear` never hands it one
+# such row.
 ONE_ROW_MAX_IN = 1024
 
 

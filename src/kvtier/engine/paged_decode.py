@@ -18,7 +18,8 @@ caller rounds the output once to the pool's dtype.
 The items run on OpenMP threads of torch's own runtime (`engine/native.py`): torch's workers
 are awake between the model's matmuls and take them at once. An earlier version of this
 kernel (numba, its helper threads beside torch's spinning workers) was faster than gather +
-SDPA on attention alone but slower end to end (docs/engine.md, "A paged decode kernel").
+SDPA on attention alone but slower end to end
+(benchmarks/records/2026-12-02-paged-decode-kernel.md).
 
 The library is built by the system's C++ compiler on first use (under a second with g++ 12
 here, then cached); without a compiler `available()` is False and decodes keep the gather.

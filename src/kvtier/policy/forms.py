@@ -15,7 +15,7 @@ precise form. Precision only goes down: a chunk is never stored more precisely t
 (cache/forms.py), so a chunk already at int4 stays int4.
 
 Only disk and remote take lossy forms: the host tier is the fast path restores come from
-most, and its link outruns any CPU decoder (docs/policy.md "Forms").
+most, and its link outruns any CPU decoder (docs/cost-model.md, "Stored forms as a decision").
 """
 
 from __future__ import annotations
