@@ -53,6 +53,7 @@ from kvtier.tiers.base import (
     TierBackend,
     TierEntry,
     TierError,
+    error_reason,
 )
 from kvtier.tiers.crypto import Sealer, Signer
 from kvtier.tiers.payload import Payload
@@ -356,7 +357,7 @@ class RedisTier(TierBackend):
                 )
             )
         except TierError as exc:  # counted, not logged each time: see TierBackend._failed
-            self.stats.add(errors=1)
+            self.stats.error(error_reason(exc))
             log.debug("%s: find failed: %s", self.name, exc)
             return [None] * len(keys)
         found: list[TierEntry | None] = [None] * len(keys)
