@@ -118,7 +118,6 @@ class Engine:
         self._subscribers: dict[str, Callable[[RequestOutput], None]] = {}
         self._step_loop: StepLoop | None = None
         self.num_steps = 0
-        self._last_block_owner: str | None = None  # block_owner's first guess
         # KV slots and bytes each request held right after its prefill (and compression).
         self._kv_held: dict[str, tuple[int, int]] = {}
         self.compressor: Compressor | None = None
@@ -766,32 +765,22 @@ class Engine:
             self.block_pool.release(list(block_ids)[::-1])
 
     def block_owner(self, block_id: int) -> BlockOwner | None:
-        """The in-flight request that holds `block_id` among the blocks its latest steps
-        computed or loaded from a tier, or None (no request holds it).
+        """The request that filled `block_id`, computed or loaded from a tier, while its
+        blocks enter the prefix cache; None otherwise (no request is filling it).
 
-        Meant for `BlockEventListener.on_block_filled`: a block is filled by the one request
-        it was allocated to, so this names who filled it (tenant, session) — the request
-        whose restore loaded it, too: its tenant's quota counts what it brought back.
+        Meant for `BlockEventListener.on_block_filled`, which runs exactly then: a block is
+        filled by the one request it was allocated to, so this names who filled it (tenant,
+        session), and a restore's blocks name the request that loaded them, so its tenant's
+        quota counts what it brought back. O(1), however many blocks one step registers.
         """
         with self._lock:
-            # Inside on_block_filled: O(1) however long the run of blocks one step
-            # registers (a restore registers all it loaded at once).
-            if self.kv_manager.filling is not None:
-                request_id, blocks = self.kv_manager.filling
-                request = self.scheduler.requests.get(request_id)
-                if request is not None and block_id in blocks:
-                    return BlockOwner(request_id, request.tenant, request.session_id)
-            # One step computes at most max_num_batched_tokens of a request, so a block it
-            # just filled lies in that window of its table: O(window) per running request.
-            window = self.config.max_num_batched_tokens // self.config.block_size + 1
-            hint = self.scheduler.requests.get(self._last_block_owner or "")
-            for request in (*([hint] if hint else []), *self.scheduler.requests.values()):
-                table = self.kv_manager.block_table(request.request_id)
-                num_full = request.num_computed_tokens // self.config.block_size
-                if block_id in table[max(0, num_full - window) : num_full]:
-                    self._last_block_owner = request.request_id
-                    return BlockOwner(request.request_id, request.tenant, request.session_id)
-            return None
+            if self.kv_manager.filling is None:
+                return None
+            request_id, blocks = self.kv_manager.filling
+            request = self.scheduler.requests.get(request_id)
+            if request is None or block_id not in blocks:
+                return None
+            return BlockOwner(request_id, request.tenant, request.session_id)
 
 
 @dataclass(frozen=True)
