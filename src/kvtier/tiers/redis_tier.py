@@ -426,6 +426,7 @@ class RedisTier(TierBackend):
 
         def write(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
+            px = self._px()
             for rkey, index in commands:
                 if index is None:
                     pipe.delete(rkey)
@@ -433,7 +434,7 @@ class RedisTier(TierBackend):
                     # A name this tier counts holds its own value: written over. Any other
                     # is set only if empty (NX), the common case, and a value already there
                     # is replaced once its head says whose it is (`_replace`).
-                    pipe.set(rkey, values[index], px=self._px(), nx=index in fresh)
+                    pipe.set(rkey, values[index], px=px, nx=index in fresh)
             return pipe.execute(raise_on_error=False)
 
         replies = self._call(write)
@@ -486,7 +487,9 @@ class RedisTier(TierBackend):
                     self._drop((namespace, key))
                     results[i] = RejectedRecord("the name holds a value of another key or mode")
         pairs = [(self.redis_key(items[i][0], namespace), values[i]) for i in rewrite]
-        replies = self._call(lambda client: _pipelined_sets(client, pairs, self._px()))
+        replies = (
+            self._call(lambda client: _pipelined_sets(client, pairs, self._px())) if pairs else []
+        )
         for i, reply in zip(rewrite, replies, strict=True):
             results[i] = True
             if isinstance(reply, BaseException):
