@@ -61,7 +61,7 @@ def model_digest(model_dir: Path) -> str:
         entry = cached.get(path.name)
         if entry is None or entry.get("signature") != signature:
             entry = {"signature": signature, "sha256": _file_sha256(path)}
-            hashed_bytes += path.stat().st_size
+            hashed_bytes += signature[0]  # its size
         fresh[path.name] = entry
         total.update(f"{path.name}\0{entry['sha256']}\0".encode())
     if hashed_bytes:
