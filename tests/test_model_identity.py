@@ -90,9 +90,13 @@ def test_the_digest_covers_weights_config_and_tokenizer_not_generation_settings(
 
 
 def test_vllm_namespaces_a_local_folder_by_its_digest_and_a_hub_id_by_its_name(
-    model_dir: Path, fine_tune: Path
+    model_dir: Path, tmp_path: Path
 ):
-    assert model_identity(str(model_dir)) != model_identity(str(fine_tune))
+    """The same folder path before and after its weights change: two namespaces."""
+    copy = copy_model(model_dir, tmp_path)
+    before = model_identity(str(copy))
+    nudge_attention(copy)
+    assert model_identity(str(copy)) != before
     assert model_identity("HuggingFaceTB/SmolLM2-135M-Instruct") == (
         "HuggingFaceTB/SmolLM2-135M-Instruct"
     )
