@@ -103,9 +103,13 @@ class Scheduler:
         for request in prefills:
             pending.setdefault(request.tenant, deque()).append(request)
         admitting = True
+        heads: dict[str | None, Request] | None = None  # read again only after an admission
         while budget[0] > 0:
             admitting = admitting and not out.preempted and len(self.running) < self.max_num_seqs
-            heads = self._waiting_heads() if admitting else {}
+            if not admitting:
+                heads = {}
+            elif heads is None:
+                heads = self._waiting_heads()
             order = {t: (self.shares.served[t], 0, 0) for t, queue in pending.items() if queue}
             for position, tenant in enumerate(heads):
                 order.setdefault(tenant, (self.shares.served[tenant], 1, position))
@@ -115,7 +119,7 @@ class Scheduler:
             if pending.get(tenant):
                 self._schedule_running([pending[tenant].popleft()], budget, out)
             else:
-                admitting = self._admit(heads[tenant], budget, out)
+                admitting, heads = self._admit(heads[tenant], budget, out), None
 
     def _waiting_heads(self) -> dict[str | None, Request]:
         """Each waiting tenant's first request, in queue order."""
