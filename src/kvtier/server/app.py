@@ -112,29 +112,25 @@ class ServerState:
         if self.draining:
             raise APIError(503, "server is shutting down", "service_unavailable")
         if self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.request_rejected.labels(self.config.model_name, caller.tenant, "429").inc()
-            raise APIError(
-                429,
-                f"too many concurrent requests (limit {self.config.max_concurrent_requests}); "
-                "retry later",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-            )
+            raise self._too_many(caller, "", self.config.max_concurrent_requests)
         held = self.in_flight_by_tenant.get(caller.tenant, 0)
         if held >= self.config.tenant_concurrency_limit:
             # its share of the server: a flood from one tenant leaves the others room
-            self.metrics.request_rejected.labels(self.config.model_name, caller.tenant, "429").inc()
-            raise APIError(
-                429,
-                f"too many concurrent requests from this tenant (limit "
-                f"{self.config.tenant_concurrency_limit}); retry later",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-            )
+            raise self._too_many(caller, " from this tenant", self.config.tenant_concurrency_limit)
         self.in_flight += 1
         self.in_flight_by_tenant[caller.tenant] = held + 1
         self.metrics.http_in_flight.labels(self.config.model_name, caller.tenant).inc()
         self.idle.clear()
+
+    def _too_many(self, caller: Caller, whose: str, limit: int) -> APIError:
+        """A 429 for a request over a concurrency limit, counted in the metrics."""
+        self.metrics.request_rejected.labels(self.config.model_name, caller.tenant, "429").inc()
+        return APIError(
+            429,
+            f"too many concurrent requests{whose} (limit {limit}); retry later",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+        )
 
     def observe_finished(
         self, caller: Caller, session_id: str | None, out: RequestOutput, num_output_tokens: int
