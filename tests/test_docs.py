@@ -8,7 +8,8 @@
 - Every relative link in docs/, README.md and the records points at a file that exists.
 - Every record opens with its date, machine, command and verdict, and the index lists it.
 - The CLI reference is the parsers' own (regenerate it with
-  `.venv/bin/python tests/test_docs.py --write-cli`), every `kvtier.toml` key the
+  `.venv/bin/python tests/test_docs.py --write-cli`), the configuration reference's key
+  tables are generated from the settings (`--write-config`), every `kvtier.toml` key the
   configuration reference names exists (`[policy]`, `[tiers]`, `[server]`), the `[tiers]` and
   `[server]` tables name every key the code accepts, and the metrics reference names exactly
   the metrics `kvtier serve` exports.
@@ -257,10 +258,27 @@ def test_the_metrics_reference_names_exactly_the_exported_metrics():
     assert not sorted(exported - documented), f"not documented: {sorted(exported - documented)}"
 
 
+def test_the_configuration_reference_is_generated_from_the_settings():
+    """The key tables of docs/reference/config.md are the settings' own words and defaults."""
+    from kvtier.settings.reference import rewrite
+
+    page = CONFIG_REFERENCE.read_text()
+    assert page.count("<!-- generated: ") >= 3  # tiers, scheduling, server
+    assert rewrite(page) == page, (
+        "docs/reference/config.md is out of date: run "
+        ".venv/bin/python tests/test_docs.py --write-config"
+    )
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write-cli"]:
         CLI_REFERENCE.parent.mkdir(exist_ok=True)
         CLI_REFERENCE.write_text(cli_reference())
         print(f"wrote {CLI_REFERENCE.relative_to(REPO)}")
+    elif sys.argv[1:] == ["--write-config"]:
+        from kvtier.settings.reference import rewrite
+
+        CONFIG_REFERENCE.write_text(rewrite(CONFIG_REFERENCE.read_text()))
+        print(f"wrote {CONFIG_REFERENCE.relative_to(REPO)}")
     else:
-        sys.exit("usage: python tests/test_docs.py --write-cli")
+        sys.exit("usage: python tests/test_docs.py --write-cli | --write-config")

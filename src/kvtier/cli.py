@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.eval.command",
         "long-context accuracy of KV compression methods (RULER-style)",
     ),
+    "config": (
+        "kvtier.settings.command",
+        "the effective settings (file, environment, flags), each with its origin",
+    ),
     "model": (
         "kvtier.model_command",
         "locate/convert the embedded model, run a generation smoke test",

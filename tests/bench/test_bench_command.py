@@ -153,7 +153,7 @@ def test_oracle_runs_as_a_policy_object(capsys, tmp_path):
 def test_progress_off_a_terminal_is_a_line_at_each_tenth_of_the_requests(capsys):
     """A bench run into a log or a pipe (stderr not a terminal, as under pytest) says it
     started and shows it moving, where a rich bar would print nothing until the end."""
-    from kvtier.bench.command import _progress
+    from kvtier.bench.console import Progress as _progress
 
     with _progress("cost", 25, disabled=False) as advance:
         for _ in range(25):

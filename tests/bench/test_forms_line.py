@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.bench.command import _forms_line
+from kvtier.bench.console import forms_line as _forms_line
 
 
 def test_the_line_counts_blocks_restored_per_form_and_the_encodes():

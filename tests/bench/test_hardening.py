@@ -186,8 +186,8 @@ def _readme_commands(command: str) -> list[list[str]]:
 def test_readme_bench_examples_fit_the_pool_they_name():
     """Each README `kvtier bench` line names a workload that passes the up-front check on the
     engine it configures (running them all is minutes: `kvtier bench` does that)."""
-    from kvtier.bench.command import kv_cache_bytes
-    from kvtier.bench.command import load_workload as bench_workload
+    from kvtier.bench.run_setup import load_workload as bench_workload
+    from kvtier.bench.run_setup import run_settings
     from kvtier.engine import Engine, EngineConfig
 
     examples = _readme_commands("bench")
@@ -195,9 +195,11 @@ def test_readme_bench_examples_fit_the_pool_they_name():
     parser = cli.build_parser()
     for argv in examples:
         args = parser.parse_args(["bench", *argv])
-        engine = Engine(EngineConfig(kv_cache_bytes=kv_cache_bytes(args)))
+        run = run_settings(args)
+        engine = Engine(EngineConfig(kv_cache_bytes=run.kv_cache_bytes))
         try:
-            check_fits(engine, flatten(bench_workload(args)), args.max_output_tokens)
+            workload = bench_workload(args, run.resume_after_s)
+            check_fits(engine, flatten(workload), args.max_output_tokens)
         finally:
             engine.close()
 

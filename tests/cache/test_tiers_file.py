@@ -1,4 +1,5 @@
-"""The [tiers] table of kvtier.toml and the flags over it -> TiersConfig."""
+"""The [tiers] table of kvtier.toml and the flags over it -> TiersConfig (through
+kvtier.settings, the one loader every command uses)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cache.tiers_file import default_host_bytes, load_tiers, table_keys
+from kvtier.cache.config import TiersConfig, default_host_bytes
+from kvtier.cache.tiers_file import table_keys
 from kvtier.errors import KvtierError
+from kvtier.settings.load import load_settings
+
+
+def load_tiers(path, *, settings=(), overrides=None) -> TiersConfig | None:
+    """The [tiers] table of `path`, then --tiers-set `settings`, then flags `overrides`."""
+    return load_settings(
+        None if path is None else str(path),
+        env={},
+        sets={"tiers": settings},
+        flags={"tiers": overrides or {}},
+    ).tiers
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -58,14 +71,14 @@ def test_flags_override_settings_override_the_file(tmp_path: Path):
 def test_the_restore_pipeline_from_the_table_or_its_flag(tmp_path: Path):
     import argparse
 
-    from kvtier.server.tier_flags import add_tier_arguments, tier_overrides
+    from kvtier.settings.flags import add_table_arguments, flag_values
 
     path = write(tmp_path, '[tiers]\nrestore_pipeline = "layer"\n')
     assert load_tiers(path).restore_pipeline == "layer"
     assert load_tiers(None).restore_pipeline == "chunk"  # the default
     parser = argparse.ArgumentParser()
-    add_tier_arguments(parser)
-    flags = tier_overrides(parser.parse_args(["--restore-pipeline", "chunk"]))
+    add_table_arguments(parser, "tiers")
+    flags = flag_values(parser.parse_args(["--restore-pipeline", "chunk"]), "tiers")
     assert load_tiers(path, overrides=flags).restore_pipeline == "chunk"
 
 

@@ -3,7 +3,6 @@ errors that say what to change, and what the bench and serve commands build from
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -103,27 +102,29 @@ def test_auto_needs_a_workload(toml):
 def test_bench_resolves_auto_from_its_workload_and_pool(toml, capsys, model_dir):
     """What `kvtier bench --config` hands the engine: auto's pick for the workload it replays
     and its --kv-cache-bytes, printed and recorded with the reason."""
-    from kvtier.bench.command import _compression
+    from kvtier.bench.run_setup import compression as bench_compression
+    from kvtier.bench.run_setup import run_settings
+    from kvtier.cli import build_parser
     from kvtier.workload.generator import generate
 
-    args = argparse.Namespace(
-        config=str(toml('[compression]\npreset = "auto"\n')),
-        model=None,
-        dtype="bfloat16",
-        resume_after=30.0,
-    )
+    def pick(config: str, kv_bytes: int):
+        args = build_parser().parse_args(
+            ["bench", "--config", config, "--kv-cache-bytes", str(kv_bytes)]
+        )
+        return bench_compression(args, run_settings(args), workload)
+
     workload = generate("quick", seed=0)  # short chats
-    compression, note = _compression(args, workload, 64 << 20)
+    auto = str(toml('[compression]\npreset = "auto"\n'))
+    compression, note = pick(auto, 64 << 20)
     assert note["auto"]["preset"] == "multi_turn_chat"
     assert compression == parse_method("multi_turn_chat")
     assert note["pipeline"] == compression.model_dump()
     assert "compression auto -> multi_turn_chat (tova:0.25)" in capsys.readouterr().out
     # With a pool where everything fits, auto leaves the KV alone.
-    compression, note = _compression(args, workload, 1 << 30)
+    compression, note = pick(auto, 1 << 30)
     assert compression is None and note["auto"]["preset"] == "full"
     # No [compression] table: nothing configured, nothing recorded.
-    args.config = str(toml("[policy]\nname = 'retain'\n"))
-    assert _compression(args, workload, 1 << 30) == (None, None)
+    assert pick(str(toml("[policy]\nname = 'retain'\n")), 1 << 30) == (None, None)
 
 
 def test_serve_refuses_auto_before_loading_a_model(toml, capsys):

@@ -73,9 +73,12 @@ def test_configuration_selects_it_and_refuses_what_it_cannot_do(tmp_path):
 
 
 def test_serve_and_the_toml_table_reach_it(tmp_path):
-    from kvtier.cache.tiers_file import load_tiers
+    from kvtier.settings.load import load_settings
 
-    tiers = load_tiers(
-        None, settings=["disk_backend=mmap", "host_bytes=0"], overrides={"disk_dir": tmp_path}
-    )
+    tiers = load_settings(
+        None,
+        env={},
+        sets={"tiers": ["disk_backend=mmap", "host_bytes=0"]},
+        flags={"tiers": {"disk_dir": str(tmp_path)}},
+    ).tiers
     assert tiers.disk_backend == "mmap" and not tiers.disk_persist  # it cannot persist

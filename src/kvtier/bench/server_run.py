@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import time
 from typing import Any
 
@@ -17,14 +16,9 @@ from kvtier.errors import KvtierError
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from kvtier.bench.command import (
-        _argv,
-        _progress,
-        _warn_without_resumed,
-        describe_workload,
-        load_workload,
-    )
+    from kvtier.bench.console import Progress, command_line, warn_without_resumed
     from kvtier.bench.http_replay import connect, replay_server
+    from kvtier.bench.run_setup import describe_workload, load_workload, run_settings
     from kvtier.workload.model import flatten
 
     for flag, value in (("--policies", args.policies), ("--policy-set", args.policy_set)):
@@ -34,19 +28,20 @@ def run_server(args: argparse.Namespace) -> int:
                 "(start one server per policy and bench each; see docs/bench.md)"
             )
     started = time.perf_counter()
-    workload = load_workload(args)
+    resume_after_s = run_settings(args).resume_after_s
+    workload = load_workload(args, resume_after_s)
     requests = flatten(workload)
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
     server = connect(args.server, args.api_key)
     vocab_size = None if all(r.messages for r in requests) else _vocab_size(args.model)
     label = args.server_label or server.base_url
-    with _progress(label, len(requests), args.no_progress) as advance:
+    with Progress(label, len(requests), args.no_progress) as advance:
         result = replay_server(
             server,
             requests,
             label,
-            resume_after_s=args.resume_after,
+            resume_after_s=resume_after_s,
             max_output_tokens=args.max_output_tokens,
             vocab_size=vocab_size,
             on_finish=lambda _record: advance(),
@@ -71,14 +66,14 @@ def run_server(args: argparse.Namespace) -> int:
         },
     }
     document = to_document("bench", config, [run])
-    document["command"] = "kvtier bench " + " ".join(shlex.quote(a) for a in _argv())
+    document["command"] = command_line()
     out = Path(args.out)
     written = write_results(out, document, [run])
     if not args.no_plots:
         written += write_html(out, document, [run])
     print(markdown(document))
     print(f"total {time.perf_counter() - started:.1f} s; wrote " + ", ".join(map(str, written)))
-    _warn_without_resumed([run], args.resume_after)
+    warn_without_resumed([run], resume_after_s)
     return 0
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.errors import KvtierError
-from kvtier.tiers.factory import DISK_BACKENDS, StorageConfig
-from kvtier.tiers.vocab import FORM_PRECISION, FULL, LOWER_TIERS
+from kvtier.setting_doc import setting
+from kvtier.tiers.vocab import DISK_BACKEND_NAMES, FORM_PRECISION, FULL, LOWER_TIERS
 
 if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile
+    from kvtier.tiers.factory import StorageConfig
 
 RestoreMode = Literal["load", "plan", "recompute"]
 RestorePipeline = Literal["chunk", "layer"]
@@ -84,34 +86,171 @@ class TiersConfig:
     "Threat model").
     """
 
-    host_bytes: int = 1 << 30
-    disk_bytes: int = 0
-    disk_dir: str | Path | None = None
-    disk_persist: bool = False  # keep the disk tier's chunks across restarts (and recover them)
-    disk_backend: str = "segments"  # an implementation of kvtier.tiers.factory.DISK_BACKENDS
-    disk_copy: DiskCopy = "on_write"
-    shutdown_flush_s: float = 10.0
-    redis_url: str | None = None
-    redis_bytes: int = 1 << 30
-    redis_prefix: str = "kvt"
-    redis_cluster: bool = False  # redis_url names one node of a Redis Cluster
-    redis_timeout_s: float = 0.25
-    chunk_tokens: int = 256
-    encrypt: bool = False
-    encrypt_key: bytes | None = None  # None with encrypt=True: a random per-process key
-    integrity: Integrity | None = None
-    restore: RestoreMode = "load"
-    restore_deadline_s: float = 2.0  # wait this long for a queued request's loads
-    restore_pipeline: RestorePipeline = "chunk"
-    prefetch: bool = True  # start loads when a request is queued
-    spill_on_evict: bool | None = None
-    write_through: WriteThrough = False
-    keep_moved: bool = False
-    swap_on_preempt: bool = True
-    spill_queue: int = 16
-    retries: int = 2
-    cost_profile: CostProfile | None = None
-    forms: Mapping[str, str] = field(default_factory=dict)
+    host_bytes: int = setting(
+        default_factory=lambda: default_host_bytes(),
+        help="the host tier's budget, allocated up front; 0: no host tier "
+        "([backends/host.md](../backends/host.md))",
+        kind="size",
+        default_text="a tenth of the machine's memory, at most half of what is free at start",
+        flag=True,
+    )
+    disk_bytes: int = setting(
+        0,
+        help="the disk tier's budget, capped at start to what the filesystem can hold",
+        kind="size",
+        default_text="half the free space of `disk_dir`'s filesystem, at most 64 GiB",
+        flag=True,
+    )
+    disk_dir: str | Path | None = setting(
+        None,
+        help="the disk tier's folder; a configured folder is persistent "
+        "([backends/disk.md](../backends/disk.md))",
+        kind="path",
+        default_text="none (no disk tier)",
+        flag=True,
+    )
+    # keep the disk tier's chunks across restarts (and recover them): set for a configured
+    # disk_dir by the settings loader, so not a key of its own
+    disk_persist: bool = False
+    disk_backend: str = setting(
+        "segments",
+        help="`segments` (log-structured, durable) or `mmap` (the example backend: neither "
+        "encrypts nor persists)",
+        kind="string",
+        choices=DISK_BACKEND_NAMES,
+    )
+    disk_copy: DiskCopy = setting(
+        "on_write",
+        help="over a persistent disk tier: `on_write` copies each chunk the host takes to disk; "
+        "`on_shutdown` only when demoted and at shutdown",
+        kind="string",
+        choices=("on_write", "on_shutdown"),
+    )
+    shutdown_flush_s: float = setting(
+        10.0,
+        help="seconds a graceful shutdown may spend writing memory's chunks to a persistent "
+        "disk tier; 0: none",
+        kind="number",
+    )
+    redis_url: str | None = setting(
+        None,
+        help="`redis://HOST:PORT/DB` ([backends/redis.md](../backends/redis.md))",
+        kind="string",
+        default_text="none (no remote tier)",
+        flag=True,
+        key="remote_url",
+    )
+    redis_bytes: int = setting(
+        1 << 30,
+        help="what this process may write to Redis; the global bound is Redis's `maxmemory`",
+        kind="size",
+        flag=True,
+        key="remote_bytes",
+    )
+    redis_prefix: str = setting(
+        "kvt",
+        help="the first part of every Redis key; one per deployment",
+        kind="string",
+        key="remote_prefix",
+    )
+    redis_cluster: bool = setting(
+        False,
+        help="`remote_url` names one node of a Redis Cluster",
+        kind="bool",
+        flag=True,
+        key="remote_cluster",
+    )
+    redis_timeout_s: float = setting(
+        0.25,
+        help="socket and connect timeout of a Redis call",
+        kind="number",
+        key="remote_timeout_s",
+    )
+    chunk_tokens: int = setting(
+        256,
+        help="tokens per chunk, the unit of movement (a multiple of the block size)",
+        kind="int",
+        flag=True,
+    )
+    encrypt: bool = setting(
+        False,
+        help="seal disk and Redis records (AES-256-GCM); needs `encrypt_key_file`",
+        kind="bool",
+        flag=True,
+    )
+    encrypt_key: bytes | None = None  # read from encrypt_key_file; None with encrypt=True: a
+    # random per-process key
+    integrity: Integrity | None = setting(
+        None,
+        help="how Redis values are protected: `encrypt` (sealed), `mac` (signed), `none` "
+        "(checksummed) ([storage-format.md](../storage-format.md))",
+        kind="string",
+        default_text='`"encrypt"` with `encrypt`, else `"mac"` with a key, else `"none"`',
+        choices=("mac", "encrypt", "none"),
+    )
+    restore: RestoreMode = setting(
+        "load",
+        help="`load` every stored chunk, `plan` (load, recompute or both, by the restore "
+        "planner) or `recompute`",
+        kind="string",
+        choices=("load", "plan", "recompute"),
+    )
+    restore_deadline_s: float = setting(
+        2.0,
+        help="how long a step waits for a queued request's loads before recomputing the rest",
+        kind="number",
+    )
+    restore_pipeline: RestorePipeline = setting(
+        "chunk",
+        help="`chunk` (whole chunks before the forward) or `layer` (overlapped with it: "
+        "[tiers.md](../tiers.md#layer-wise-pipelined-restore))",
+        kind="string",
+        choices=("chunk", "layer"),
+        flag=True,
+    )
+    prefetch: bool = setting(True, help="start loads when a request is queued", kind="bool")
+    spill_on_evict: bool | None = setting(
+        None,
+        help="copy blocks the device pool evicts into the top tier instead of dropping them",
+        kind="bool",
+        default_text="by policy: false for `retain` and `recompute`, else true",
+    )
+    write_through: WriteThrough = setting(
+        False,
+        help="copy a finished request's full chunks to the top tier at once (`selective`: "
+        "only those a prompt reused)",
+        kind='bool or `"selective"`',
+        flag=True,
+    )
+    keep_moved: bool = setting(
+        False,
+        help="a chunk a policy moves off the device keeps its device blocks, hittable, until "
+        "the pool needs them",
+        kind="bool",
+        flag=True,
+    )
+    swap_on_preempt: bool = setting(
+        True,
+        help="a preempted request's computed blocks are spilled and restored at re-admission",
+        kind="bool",
+    )
+    spill_queue: int = setting(
+        16,
+        help="chunks waiting to be written; a spill that finds it full is dropped "
+        "(recomputed later)",
+        kind="int",
+    )
+    retries: int = setting(
+        2, help="further tries of a failed tier copy before it is a miss", kind="int"
+    )
+    cost_profile: CostProfile | None = None  # the engine's measured prefill costs, from code
+    forms: Mapping[str, str] = setting(
+        default_factory=dict,
+        help='the form each tier stores: `{disk = "int8", remote = "int4"}`; a tier not '
+        "listed keeps the form above it",
+        kind="table",
+        default_text="`{}` (full precision)",
+    )
 
     def tier_forms(self) -> dict[str, str]:
         """The form of each of host, disk and remote, unlisted ones filled in."""
@@ -155,10 +294,10 @@ class TiersConfig:
         flush = self.shutdown_flush_s
         if isinstance(flush, bool) or not isinstance(flush, int | float) or not flush >= 0:
             raise KvtierError(f"tiers.shutdown_flush_s must be a number >= 0, got {flush!r}")
-        if self.disk_backend not in DISK_BACKENDS:
+        if self.disk_backend not in DISK_BACKEND_NAMES:
             raise KvtierError(
                 f"tiers.disk_backend: unknown {self.disk_backend!r}; "
-                f"choose one of {', '.join(DISK_BACKENDS)}"
+                f"choose one of {', '.join(DISK_BACKEND_NAMES)}"
             )
         if self.disk_backend == "mmap" and (self.encrypt or self.disk_persist):
             raise KvtierError(
@@ -175,6 +314,8 @@ class TiersConfig:
     def storage(self, host_slot_bytes: int | None = None, layered: bool = False) -> StorageConfig:
         """What `kvtier.tiers.factory.build_tiers` needs to build these tiers (`layered`:
         disk and Redis write layered records, for a pipelined restore)."""
+        from kvtier.tiers.factory import StorageConfig  # the backends: torch, redis
+
         return StorageConfig(
             host_bytes=self.host_bytes,
             host_slot_bytes=host_slot_bytes,
@@ -242,3 +383,14 @@ class TiersConfig:
                     f"{above} or a less precise form"
                 )
             above_name, above = tier, form
+
+
+def default_host_bytes() -> int:
+    """A tenth of the machine's memory, at most half of what is free now, whole MiB: the host
+    tier is preallocated at start, so it must leave room for the model and everything else."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30
+    return max(0, min(total // 10, free // 2)) & ~((1 << 20) - 1)

@@ -1,7 +1,7 @@
 """Engine + tiers + retention policy, put together: the one way commands build a serving stack.
 
 `EngineConfig` describes the engine alone; `CacheConfig` is the tier layer's own settings
-(tiers, policy and its configuration), read from kvtier.toml by `load_cache_config`.
+(tiers, policy and its configuration), read from kvtier.toml by `kvtier.settings`.
 `build_engine` is what `kvtier bench`, `serve`, `eval` and the benchmarks call;
 `attach_connector` swaps the tiers of a loaded engine (benchmarks and tests compare setups on
 one model).
@@ -10,11 +10,8 @@ one model).
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.connector import TieredConnector
@@ -61,25 +58,6 @@ def build_engine(
         model = config.model_dir or EMBEDDED_MODEL_NAME
         cache = dataclasses.replace(cache, policy_config=cache.policy_config.for_model(model))
     return Engine(config, clock=clock, connector=None if cache is None else cache.connector())
-
-
-def load_cache_config(
-    path: str | Path | None,
-    *,
-    policy: str | None = None,
-    policy_settings: Sequence[str] = (),
-    tiers_settings: Sequence[str] = (),
-    tiers_overrides: Mapping[str, Any] | None = None,
-) -> CacheConfig | None:
-    """The `[tiers]` and `[policy]` tables of kvtier.toml at `path` (None: no file), then
-    `KVTIER_POLICY__*` variables, `--policy-set` / `--tiers-set` settings and dedicated flags
-    (`policy`, `tiers_overrides`), later sources winning. None when every tier is off."""
-    from kvtier.cache.tiers_file import load_tiers
-    from kvtier.policy.config import load_config
-
-    tiers = load_tiers(path, settings=tiers_settings, overrides=tiers_overrides)
-    chosen = load_config(path, env=os.environ, settings=policy_settings, policy=policy)
-    return None if tiers is None else CacheConfig(tiers, chosen.name, chosen)
 
 
 def attach_connector(

@@ -25,63 +25,54 @@ its value came from (`tiers.disk_bytes (from --tiers-set disk_bytes=x): ...`).
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from kvtier.cache.config import TiersConfig
+from kvtier.cache.config import TiersConfig, default_host_bytes
 from kvtier.errors import KvtierError
+from kvtier.setting_doc import META_KEY, SettingDoc
 from kvtier.toml_table import read_table, setting_value
 
-# table key -> TiersConfig field, where they differ
-_RENAMED = {
-    "remote_url": "redis_url",
-    "remote_bytes": "redis_bytes",
-    "remote_prefix": "redis_prefix",
-    "remote_timeout_s": "redis_timeout_s",
-    "remote_cluster": "redis_cluster",
+# Keys of the table that are no TiersConfig field: the master key comes from a file.
+KEY_FILE_SETTINGS = {
+    "encrypt_key_file": SettingDoc(
+        "the master key file (64 hex digits, mode 0600); without `encrypt`, signs Redis values",
+        "path",
+        default_text="none",
+        flag=True,
+    ),
+    "create_key": SettingDoc(
+        "write a fresh key to `encrypt_key_file` when it is missing", "bool", flag=True
+    ),
 }
-# fields the table cannot set: computed, or given some other way
-_NOT_IN_TABLE = {"cost_profile", "encrypt_key", "disk_persist", *_RENAMED.values()}
-_SIZES = {"host_bytes", "disk_bytes", "remote_bytes"}
-_KEY_FILE = ("encrypt_key_file", "create_key")
 _GIB = 1 << 30
+
+
+def _field_of_key() -> dict[str, str]:
+    """[tiers] key -> TiersConfig field, for the fields that are settings."""
+    keys = {}
+    for item in fields(TiersConfig):
+        doc = item.metadata.get(META_KEY)
+        if doc is not None:
+            keys[doc.key or item.name] = item.name
+    return keys
+
+
+def _size_keys() -> set[str]:
+    return {
+        doc.key or item.name
+        for item in fields(TiersConfig)
+        if (doc := item.metadata.get(META_KEY)) is not None and doc.kind == "size"
+    }
 
 
 def table_keys() -> list[str]:
     """Every key the [tiers] table accepts."""
-    own = [f.name for f in fields(TiersConfig) if f.name not in _NOT_IN_TABLE]
-    return sorted([*own, *_RENAMED, *_KEY_FILE])
-
-
-def load_tiers(
-    path: str | Path | None,
-    *,
-    settings: Sequence[str] = (),
-    overrides: Mapping[str, Any] | None = None,
-) -> TiersConfig | None:
-    """The file's [tiers] table, then `settings` (`KEY=VALUE`, from --tiers-set), then
-    `overrides` (table key -> value, from dedicated flags; None values are left out), each
-    later source winning. None when every tier is off (device only)."""
-    merged: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    if path is not None:
-        for key, value in read_table(path, "tiers").items():
-            merged[key], source[key] = value, str(path)
-    for setting in settings:
-        key, sep, text = setting.partition("=")
-        if not sep or not key.strip():
-            raise KvtierError(
-                f"--tiers-set takes KEY=VALUE (e.g. chunk_tokens=64), not {setting!r}"
-            )
-        key = key.strip()
-        merged[key], source[key] = setting_value(text.strip()), f"--tiers-set {setting}"
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            merged[key], source[key] = value, "--" + key.replace("_", "-")
-    return build_tiers(merged, source)
+    return sorted([*_field_of_key(), *KEY_FILE_SETTINGS])
 
 
 def build_tiers(
@@ -95,16 +86,17 @@ def build_tiers(
 
     unknown = sorted(set(table) - set(table_keys()))
     if unknown:
-        raise KvtierError(f"{where(unknown[0])}: unknown key; allowed: {', '.join(table_keys())}")
+        raise KvtierError(f"{where(unknown[0])}: {unknown_key(unknown[0], table_keys())}")
+    field_of, sizes = _field_of_key(), _size_keys()
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key in _KEY_FILE:
+        if key in KEY_FILE_SETTINGS:
             continue
-        if key in _SIZES:
+        if key in sizes:
             value = _size(value, where(key))
-        values[_RENAMED.get(key, key)] = value
+        values[field_of[key]] = value
     if "host_bytes" not in values:
-        values["host_bytes"] = default_host_bytes()
+        values["host_bytes"] = default_host_bytes()  # the field's default, taken now
     disk_dir = values.get("disk_dir")
     if disk_dir is not None:
         if not isinstance(disk_dir, str | Path) or not str(disk_dir):
@@ -137,15 +129,12 @@ def build_tiers(
         raise KvtierError(f"invalid [tiers] value: {exc}") from None
 
 
-def default_host_bytes() -> int:
-    """A tenth of the machine's memory, at most half of what is free now, whole MiB: the host
-    tier is preallocated at start, so it must leave room for the model and everything else."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return _GIB
-    return max(0, min(total // 10, free // 2)) & ~((1 << 20) - 1)
+def unknown_key(key: str, allowed: Sequence[str]) -> str:
+    """The message for a key no table has: the closest valid one, or the list."""
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if close:
+        return f"unknown key; did you mean {close[0]}?"
+    return f"unknown key; allowed: {', '.join(allowed)}"
 
 
 def default_disk_bytes(directory: Path) -> int:

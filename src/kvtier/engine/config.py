@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.errors import KvtierError
+from kvtier.setting_doc import setting
 
 if TYPE_CHECKING:
     from kvtier.compress.config import CompressionConfig
@@ -33,19 +34,51 @@ class EngineConfig:
     model_dir: str | Path | None = None  # None: the embedded SmolLM2
     dtype: DType = "bfloat16"
     device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_bytes: int = _GIB
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    priority: Priority = "decode_first"
+    block_size: int = setting(
+        16, help="tokens per KV block, the unit of the prefix cache", kind="int"
+    )
+    kv_cache_bytes: int = setting(
+        _GIB, help="the device KV pool; it never grows", kind="size", flag=True
+    )
+    max_num_batched_tokens: int = setting(
+        512,
+        help="tokens one step computes, decodes and prefill chunks together (chunked prefill)",
+        kind="int",
+        flag=True,
+    )
+    max_num_seqs: int = setting(
+        64, help="requests running at once; the rest wait", kind="int", flag=True
+    )
+    priority: Priority = setting(
+        "decode_first",
+        help="who gets a step's tokens first: running decodes or waiting prefills",
+        kind="string",
+        choices=("decode_first", "prefill_first"),
+    )
     enable_prefix_caching: bool = True
     namespace: str | None = None
     num_threads: int | None = None  # None: all cores
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    session_resume_after_s: float = 30.0
-    # Sessions the tracker remembers (engine/sessions.py); beyond, the least recently active
-    # is forgotten, its KV with it.
-    max_sessions: int = 10_000
+    max_model_len: int | None = setting(
+        None,
+        help="the longest sequence, prompt and output",
+        kind="int",
+        default_text="the model's context (`max_position_embeddings`)",
+        flag=True,
+    )
+    session_resume_after_s: float = setting(
+        30.0,
+        help="a conversation's turn after a pause this long counts as resumed (its KV was "
+        "paused, not running)",
+        kind="number",
+        flag=True,
+    )
+    # the session tracker's bound (engine/sessions.py)
+    max_sessions: int = setting(
+        10_000,
+        help="conversations remembered; beyond, the least recently active is forgotten, its KV "
+        "with it",
+        kind="int",
+    )
     # KV compression (kvtier.compress): a pipeline of presses applied to each request once
     # its prompt is prefilled. None (or ratio 0 everywhere) leaves the KV untouched.
     compression: CompressionConfig | None = None

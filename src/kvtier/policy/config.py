@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,31 +63,65 @@ class _Section(BaseModel):
 
 
 class CostSection(_Section):
-    horizon_s: PositiveFloat | None = None  # None: the decision interval
-    gpu_dollars_per_hour: PositiveFloat = DEFAULT_GPU_DOLLARS_PER_HOUR
-    dollars_per_gb_hour: dict[TierName, NonNegativeFloat] = Field(default_factory=dict)
-    headroom: dict[TierName, Share] = Field(default_factory=dict)
+    horizon_s: PositiveFloat | None = Field(
+        None, description="first step of the decision grid, s; default: `interval_s`"
+    )
+    gpu_dollars_per_hour: PositiveFloat = Field(
+        DEFAULT_GPU_DOLLARS_PER_HOUR, description="what an accelerator hour costs"
+    )
+    dollars_per_gb_hour: dict[TierName, NonNegativeFloat] = Field(
+        default_factory=dict,
+        description="rent of a GB-hour per tier (`{device = ..., host = ...}`); tiers left "
+        "out: the shipped prices",
+    )
+    headroom: dict[TierName, Share] = Field(
+        default_factory=dict,
+        description="share of each tier kept free; tiers left out: device 0.5, others 0.9",
+    )
     # one share for every tier, or per tier (tiers left out get the default)
     base_rent_share: (
         Annotated[float, Field(ge=0, le=1)] | dict[TierName, Annotated[float, Field(ge=0, le=1)]]
-    ) = Field(default_factory=lambda: dict(DEFAULT_BASE_SHARE))
-    floor_dollars_per_gb_hour: NonNegativeFloat = DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR
-    # arrivals count towards the forecast rate of device demand (policy.demand) this long
-    forecast_window_s: PositiveFloat = 60.0
-    # adjacent chunks of a session in one tier priced and placed as one unit, up to this many
-    # (1: chunk by chunk); fewer rows per decision, coarser placements
-    pricing_chunks: Annotated[int, Field(ge=1, le=1024)] = 8
+    ) = Field(
+        default_factory=lambda: dict(DEFAULT_BASE_SHARE),
+        description="share of the rent charged at any occupancy, one for all tiers or per tier",
+    )
+    floor_dollars_per_gb_hour: NonNegativeFloat = Field(
+        DEFAULT_FLOOR_DOLLARS_PER_GB_HOUR,
+        description="the least a GB-hour costs anywhere (0: KV stays while there is room)",
+    )
+    # (policy.demand)
+    forecast_window_s: PositiveFloat = Field(
+        60.0, description="arrivals counted towards the device-demand forecast's rate, s"
+    )
+    # fewer rows per decision, coarser placements
+    pricing_chunks: Annotated[int, Field(ge=1, le=1024)] = Field(
+        8,
+        description="adjacent chunks of a session in one tier priced and placed as one unit, "
+        "at most (1: chunk by chunk)",
+    )
 
 
 class PredictorSection(_Section):
-    max_age_s: PositiveFloat = 3600.0
-    min_gap_s: PositiveFloat = 1.0
-    bins: Annotated[int, Field(ge=2, le=4096)] = 64
-    max_keys: Annotated[int, Field(ge=1)] = 1024
-    prior_median_s: PositiveFloat = GapPrior.median_s
-    prior_sigma: PositiveFloat = GapPrior.sigma
-    prior_no_return: Share = GapPrior.no_return
-    prior_weight: NonNegativeFloat = GapPrior.weight
+    max_age_s: PositiveFloat = Field(
+        3600.0, description='idle longer = "never returned"; p_reuse is 0 beyond'
+    )
+    min_gap_s: PositiveFloat = Field(1.0, description="shortest gap the histograms resolve, s")
+    bins: Annotated[int, Field(ge=2, le=4096)] = Field(
+        64, description="log-spaced bins of each gap histogram"
+    )
+    max_keys: Annotated[int, Field(ge=1)] = Field(
+        1024, description="histograms kept (one per tenant and prompt prefix)"
+    )
+    prior_median_s: PositiveFloat = Field(
+        GapPrior.median_s, description="the prior's median gap, s"
+    )
+    prior_sigma: PositiveFloat = Field(GapPrior.sigma, description="the prior's log-normal sigma")
+    prior_no_return: Share = Field(
+        GapPrior.no_return, description="the prior's share of sessions that never return"
+    )
+    prior_weight: NonNegativeFloat = Field(
+        GapPrior.weight, description="observations the prior counts as"
+    )
 
     @model_validator(mode="after")
     def _gap_range(self) -> PredictorSection:
@@ -108,16 +143,21 @@ class PredictorSection(_Section):
 
 
 class TtlSection(_Section):
-    seconds: dict[TierName, PositiveFloat] = Field(default_factory=lambda: dict(DEFAULT_TTL_S))
+    seconds: dict[TierName, PositiveFloat] = Field(
+        default_factory=lambda: dict(DEFAULT_TTL_S),
+        description="the ttl policy: idle seconds before KV leaves each tier",
+    )
 
 
 class OffloadSection(_Section):
-    watermark: Annotated[float, Field(gt=0, le=1)] = 0.9
+    watermark: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.9, description="the offload policy: device occupancy that starts moving KV down"
+    )
 
 
 class LinkSection(_Section):
-    bandwidth: PositiveFloat  # bytes/s
-    latency_s: NonNegativeFloat = 0.0
+    bandwidth: PositiveFloat = Field(description="bytes/s")
+    latency_s: NonNegativeFloat = Field(0.0, description="s")
 
 
 class CodecSection(_Section):
@@ -128,17 +168,34 @@ class CodecSection(_Section):
 class ProfileSection(_Section):
     """Prefill coefficients given outright, or derived from a model and an accelerator."""
 
-    model: str = "llama-3.1-8b"
-    hardware: str = "h100-sxm"
-    gpus: Annotated[int, Field(ge=1)] = 1
-    efficiency: Annotated[float, Field(gt=0, le=1)] = DEFAULT_EFFICIENCY
-    prefill_fixed_s: NonNegativeFloat | None = None
-    prefill_token_s: NonNegativeFloat | None = None
-    prefill_pair_s: NonNegativeFloat | None = None
-    links: dict[LowerTier, LinkSection] = Field(default_factory=dict)
-    # stored form -> codec speed (default: this machine's CPU, measured, with coefficients
-    # given; derived from the accelerator's memory bandwidth otherwise)
-    codecs: dict[Literal["int8", "int4"], CodecSection] = Field(default_factory=dict)
+    model: str = Field(
+        "llama-3.1-8b",
+        description="prefill coefficients derived from this model (a bundled name or "
+        "config.json) ...",
+    )
+    hardware: str = Field("h100-sxm", description="... on this accelerator (`kvtier plan`)")
+    gpus: Annotated[int, Field(ge=1)] = Field(1, description="... with this many of them")
+    efficiency: Annotated[float, Field(gt=0, le=1)] = Field(
+        DEFAULT_EFFICIENCY, description="... at this share of peak FLOPs"
+    )
+    prefill_fixed_s: NonNegativeFloat | None = Field(
+        None, description="measured prefill coefficients: all three or none (derived)"
+    )
+    prefill_token_s: NonNegativeFloat | None = Field(None, description="per prompt token, s")
+    prefill_pair_s: NonNegativeFloat | None = Field(
+        None, description="per (token, earlier token) pair of attention, s"
+    )
+    links: dict[LowerTier, LinkSection] = Field(
+        default_factory=dict,
+        description="`{host = {bandwidth = 25e9, latency_s = 1e-5}}`; tiers left out: PCIe4 "
+        "/ NVMe4 / 100 GbE",
+    )
+    # default: this machine's CPU, measured, with coefficients given; derived from the
+    # accelerator's memory bandwidth otherwise
+    codecs: dict[Literal["int8", "int4"], CodecSection] = Field(
+        default_factory=dict,
+        description="stored form -> `{encode_bytes_per_s, decode_bytes_per_s}`",
+    )
 
     @model_validator(mode="after")
     def _all_or_no_coefficients(self) -> ProfileSection:
@@ -175,19 +232,36 @@ class ProfileSection(_Section):
 
 
 class PolicyConfig(_Section):
-    name: str = "cost"  # a shipped policy, an entry point in kvtier.policies, or module:Class
-    interval_s: PositiveFloat = 5.0  # how often the engine calls decide() on its timer
-    options: dict[str, Any] = Field(default_factory=dict)  # keyword arguments of custom policies
+    name: str = Field(
+        "cost",
+        description="retain, recompute, offload, ttl, cost, an entry point in "
+        "`kvtier.policies`, or `module:Class`",
+    )
+    interval_s: PositiveFloat = Field(
+        5.0, description="how often the engine calls `decide()` on its timer, s"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of a custom policy"
+    )
     cost: CostSection = Field(default_factory=CostSection)
     predictor: PredictorSection = Field(default_factory=PredictorSection)
     ttl: TtlSection = Field(default_factory=TtlSection)
     offload: OffloadSection = Field(default_factory=OffloadSection)
     profile: ProfileSection = Field(default_factory=ProfileSection)
-    # points of `kvtier eval` score a stored form may lose (policy.accuracy); 0: full only
-    max_accuracy_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    accuracy_file: str | None = None  # figures from kvtier eval --kv-forms (DIR/forms.json)
-    # the model the bundled figures are looked up for; commands set it to the model they run
-    accuracy_model: str | None = None
+    # (policy.accuracy)
+    max_accuracy_loss: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        0.0,
+        description="points of `kvtier eval` score a stored form may lose (0: full precision only)",
+    )
+    accuracy_file: str | None = Field(
+        None,
+        description="a `forms.json` from `kvtier eval --kv-forms`; default: the bundled "
+        "figures for the model",
+    )
+    # commands set it to the model they run
+    accuracy_model: str | None = Field(
+        None, description="the model the bundled figures are looked up for"
+    )
 
     @field_validator("accuracy_file")
     @classmethod
@@ -251,6 +325,18 @@ def load_config(
 ) -> PolicyConfig:
     """Merge the file's [policy] table, `env` (KVTIER_POLICY__*), `settings` (KEY=VALUE) and
     `policy` (a name), in that order, and validate. The policy name must resolve."""
+    return load_config_traced(path, env=env, settings=settings, policy=policy)[0]
+
+
+def load_config_traced(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    settings: Sequence[str] = (),
+    policy: str | None = None,
+    settings_label: str = "--policy-set",
+) -> tuple[PolicyConfig, dict[str, str]]:
+    """`load_config`, and where each key given came from (dotted key -> source)."""
     from kvtier.policy.registry import resolve_policy  # registry imports every policy
 
     merged: dict[str, Any] = {}
@@ -265,10 +351,10 @@ def load_config(
         key, sep, text = setting.partition("=")
         if not sep or not key.strip():
             raise KvtierError(
-                f"--policy-set takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}"
+                f"{settings_label} takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}"
             )
         keys = tuple(key.strip().split("."))
-        _set(merged, source, keys, setting_value(text.strip()), f"--policy-set {setting}")
+        _set(merged, source, keys, setting_value(text.strip()), f"{settings_label} {setting}")
     if policy is not None:
         _set(merged, source, ("name",), policy, "--policy")
     try:
@@ -277,7 +363,7 @@ def load_config(
         lines = [_describe(error, "policy", source, PolicyConfig) for error in exc.errors()]
         raise KvtierError("invalid policy configuration: " + "; ".join(lines)) from None
     resolve_policy(config.name)
-    return config
+    return config, {".".join(keys): label for keys, label in source.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -354,6 +440,9 @@ def _describe(
     where = f" (from {origin})" if origin else ""
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        if close:
+            return f"{key}{where}: unknown key; did you mean {close[0]}?"
         return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] not in ("missing", "value_error"):
@@ -378,8 +467,14 @@ class CompressionSection(_Section):
     kvtier.compress.presets, "full" or "auto") or `presses` (a pipeline, in order: tables of
     name, ratio or keep_tokens, options), not both; neither means no compression."""
 
-    preset: str | None = None
-    presses: list[dict[str, Any]] | None = None
+    preset: str | None = Field(
+        None,
+        description='a scenario preset ([compression.md](../compression.md)), "full" or "auto"',
+    )
+    presses: list[dict[str, Any]] | None = Field(
+        None,
+        description="a pipeline, in order: tables of `name`, `ratio` or `keep_tokens`, `options`",
+    )
 
     @model_validator(mode="after")
     def _one_pipeline(self) -> CompressionSection:

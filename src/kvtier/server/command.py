@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
@@ -25,9 +23,9 @@ if TYPE_CHECKING:
 
     from kvtier.engine import Engine
     from kvtier.server.config import ServerConfig
+    from kvtier.settings.load import Settings
 
-CONFIG_ENV = "KVTIER_CONFIG"  # as kvtier.policy.config: the file when no --config is given
-DEFAULT_CONFIG = "kvtier.toml"
+SETTINGS_TABLES = ("tiers", "scheduling", "policy", "compression", "server")
 
 
 def port_number(text: str) -> int:
@@ -42,19 +40,17 @@ def port_number(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="kvtier.toml: [server], [tiers], [policy], [compression] tables "
-        f"(default: ${CONFIG_ENV}, else ./{DEFAULT_CONFIG} when present)",
-    )
+    from kvtier.settings.flags import add_config_argument, add_table_arguments
+
+    add_config_argument(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients send")
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id clients send ([server] model_name)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool budget")
     parser.add_argument(
         "--prefault-kv-pool",
         action=argparse.BooleanOptionalAction,
@@ -69,9 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU decodes read K/V straight from the pool, no gather, C++ compiler needed "
         "(default on where it builds; --no-paged-decode: gather + SDPA; docs/engine.md)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
     threads = parser.add_argument(
         "--threads", dest="num_threads", type=int, default=None, help="torch threads (default all)"
     )
@@ -84,116 +77,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a tenant (repeatable); none = one anonymous tenant, no key needed",
     )
     parser.add_argument(
-        "--admin-key", default=None, help="bearer key of /admin (default: loopback clients only)"
-    )
-    parser.add_argument(
-        "--metrics-key", default=None, help="bearer key of /metrics (default: loopback only)"
-    )
-    parser.add_argument("--max-concurrent-requests", type=int, default=None)
-    parser.add_argument(
-        "--max-concurrent-requests-per-tenant",
-        type=int,
-        default=None,
-        help="generation requests one tenant may have in flight before 429 (default: half of "
-        "--max-concurrent-requests with two or more tenants, else all of it)",
-    )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="longer prompts: 400 (default: the model context less one output token)",
-    )
-    parser.add_argument("--max-body-bytes", type=int, default=None)
-    parser.add_argument("--max-output-tokens", type=int, default=None)
-    parser.add_argument("--graceful-shutdown-s", type=float, default=None)
-    parser.add_argument(
-        "--body-timeout-s", type=float, default=None, help="408 for a body not in by then (10)"
-    )
-    parser.add_argument(
-        "--max-connections", type=int, default=None, help="open connections before 503 (512)"
-    )
-    parser.add_argument(
-        "--max-connections-per-address",
-        type=int,
-        default=None,
-        help="open connections one client address may hold (default: a quarter of "
-        "--max-connections)",
-    )
-    parser.add_argument(
-        "--keep-alive-timeout-s", type=int, default=None, help="idle keep-alive close (5)"
-    )
-    parser.add_argument(
-        "--header-timeout-s",
-        type=float,
-        default=None,
-        help="close a connection whose request line and headers are not in by then (10)",
-    )
-    parser.add_argument(
-        "--api-docs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="serve /docs, /redoc and /openapi.json (default off)",
-    )
-    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    from kvtier.server.tier_flags import add_tier_arguments
-
-    add_tier_arguments(parser)
-    policy = parser.add_argument_group("retention policy (the [policy] table)")
-    policy.add_argument(
-        "--policy",
-        metavar="NAME",
-        help="cost (default), retain, recompute, offload, ttl, a plugin or module:Class",
-    )
-    policy.add_argument(
-        "--policy-set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="set a [policy] key, e.g. interval_s=2 (repeatable)",
-    )
+    for table in SETTINGS_TABLES:
+        add_table_arguments(parser, table)
 
 
-def config_path(args: argparse.Namespace) -> str | None:
-    """The config file: --config, else $KVTIER_CONFIG, else ./kvtier.toml when present."""
-    path = args.config or os.environ.get(CONFIG_ENV)
-    if path is None and Path(DEFAULT_CONFIG).is_file():
-        path = DEFAULT_CONFIG
-    return path
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The effective settings (file, environment, flags), read once per run."""
+    from kvtier.settings.flags import from_args
+
+    # kept on the namespace: the server's and the engine's parts are built at different
+    # moments, and a second read could differ (a key file created, the environment changed)
+    cached = getattr(args, "_settings", None)
+    if cached is None:
+        cached = args._settings = from_args(args, SETTINGS_TABLES)
+    return cached
 
 
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
-    from kvtier.server.config import ServerConfig, parse_tenant_flag
+    from kvtier.server.config import parse_tenant_flag
 
-    path = config_path(args)
-    config = ServerConfig.from_toml(path) if path else ServerConfig()
+    config = settings_of(args).server
     for flag in args.tenant:
         tenant = parse_tenant_flag(flag)
         config.tenants[tenant.name] = tenant
-    overrides = {
-        "model_name": args.served_model_name,
-        "admin_key": args.admin_key,
-        "metrics_key": args.metrics_key,
-        "max_concurrent_requests": args.max_concurrent_requests,
-        "max_concurrent_requests_per_tenant": args.max_concurrent_requests_per_tenant,
-        "max_prompt_tokens": args.max_prompt_tokens,
-        "max_body_bytes": args.max_body_bytes,
-        "max_output_tokens": args.max_output_tokens,
-        "graceful_shutdown_s": args.graceful_shutdown_s,
-        "body_timeout_s": args.body_timeout_s,
-        "max_connections": args.max_connections,
-        "max_connections_per_address": args.max_connections_per_address,
-        "keep_alive_timeout_s": args.keep_alive_timeout_s,
-        "header_timeout_s": args.header_timeout_s,
-        "api_docs": args.api_docs,
-    }
-    for name, value in overrides.items():
-        if value is not None:
-            setattr(config, name, value)
-    config.__post_init__()  # re-validate after the flags
+    if args.served_model_name is not None:
+        config.model_name = args.served_model_name
+    config.__post_init__()  # re-validate with the command line's tenants
     return config
 
 
@@ -247,36 +160,27 @@ def run(args: argparse.Namespace) -> int:
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine with its tiers and retention policy, from the config file and the flags:
     the one place `kvtier serve` builds it. Bad settings fail here, before the model loads."""
+    from kvtier.cache.setup import CacheConfig
     from kvtier.cache.setup import build_engine as build_stack
-    from kvtier.cache.setup import load_cache_config
     from kvtier.engine import EngineConfig
-    from kvtier.policy.config import load_compression
-    from kvtier.server.tier_flags import tier_overrides
 
-    path = config_path(args)
-    cache = load_cache_config(
-        path,
-        policy=args.policy,
-        policy_settings=args.policy_set,
-        tiers_settings=args.tiers_set,
-        tiers_overrides=tier_overrides(args),
-    )
+    settings = settings_of(args)
     engine_kwargs = {
-        # the same file's [compression] table: every request's pipeline ("auto" is refused:
-        # a server has not observed its workload when it starts)
-        "compression": load_compression(path).build(),
+        # the [compression] table: every request's pipeline ("auto" is refused: a server has
+        # not observed its workload when it starts)
+        "compression": settings.compression.build(),
         "model_dir": args.model,
         "dtype": args.dtype,
         "device": args.device,
-        "kv_cache_bytes": args.kv_cache_bytes,
         "prefault_kv_pool": args.prefault_kv_pool,
         "paged_decode": args.paged_decode,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
         "num_threads": args.num_threads,
+        **settings.scheduling,
     }
     config = EngineConfig(**{k: v for k, v in engine_kwargs.items() if v is not None})
+    cache = None
+    if settings.tiers is not None:
+        cache = CacheConfig(settings.tiers, settings.policy.name, settings.policy)
     return build_stack(config, cache)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.setting_doc import setting
 
 DEFAULT_MODEL_NAME = "smollm2"
 # Other ids the embedded model goes by: `kvtier plan`, `bench` and `simulate` call it
@@ -42,32 +43,98 @@ class TenantConfig:
 
 @dataclass
 class ServerConfig:
-    model_name: str = DEFAULT_MODEL_NAME
-    tenants: dict[str, TenantConfig] = field(default_factory=dict)
-    admin_key: str | None = None  # None: the admin API answers loopback clients only
-    metrics_key: str | None = None  # None: /metrics answers loopback clients only
-    max_concurrent_requests: int = 64
-    # Generation requests one tenant may have in flight. None: half of max_concurrent_requests
-    # (rounded up) with two or more tenants, so a flood from one leaves the others room; all
-    # of it with one tenant or none.
-    max_concurrent_requests_per_tenant: int | None = None
-    max_prompt_tokens: int | None = None  # None: the model context (less one output token)
-    max_body_bytes: int = 1 << 20
-    max_tokens_default: int = 256
-    max_output_tokens: int | None = None  # None: up to the model context
-    graceful_shutdown_s: float = 30.0
-    body_timeout_s: float = 10.0  # a request body not in by then: 408
-    # Open connections (idle keep-alive ones too) before uvicorn answers 503: bounds what a
-    # flood of slow clients holds. Well above max_concurrent_requests, under a 1024 fd limit.
-    max_connections: int = 512
-    # Connections one client address may hold. None: a quarter of max_connections.
-    max_connections_per_address: int | None = None
-    keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this
-    # A connection whose request head (request line and headers) is not in this long after
-    # it opened, or after a later request's first byte, is closed: sockets that send
-    # nothing, or a byte now and then, do not hold a slot.
-    header_timeout_s: float = 10.0
-    api_docs: bool = False  # serve /docs, /redoc and /openapi.json
+    model_name: str = setting(
+        DEFAULT_MODEL_NAME,
+        help='the id clients send as `"model"`',
+        kind="string",
+    )
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)  # [server.tenants.NAME]
+    admin_key: str | None = setting(
+        None,
+        help="bearer key of `/admin/*`",
+        kind="string",
+        default_text="none: loopback clients only",
+        flag=True,
+    )
+    metrics_key: str | None = setting(
+        None,
+        help="bearer key of `/metrics`",
+        kind="string",
+        default_text="none: loopback clients only",
+        flag=True,
+    )
+    max_concurrent_requests: int = setting(
+        64, help="generation requests in flight; beyond: 429", kind="int", flag=True
+    )
+    # None: half of max_concurrent_requests (rounded up) with two or more tenants, so a flood
+    # from one leaves the others room; all of it with one tenant or none.
+    max_concurrent_requests_per_tenant: int | None = setting(
+        None,
+        help="one tenant's requests in flight; beyond: 429",
+        kind="int",
+        default_text="half of `max_concurrent_requests` (rounded up) with two or more "
+        "tenants, else all",
+        flag=True,
+    )
+    max_prompt_tokens: int | None = setting(
+        None,
+        help="longest prompt; beyond: 400 `context_length_exceeded`",
+        kind="int",
+        default_text="the model context less one token",
+        flag=True,
+    )
+    max_body_bytes: int = setting(
+        1 << 20, help="request body size; beyond: 413", kind="int", flag=True
+    )
+    max_tokens_default: int = setting(
+        256, help="`max_tokens` when a request gives none", kind="int"
+    )
+    max_output_tokens: int | None = setting(
+        None,
+        help="largest `max_tokens`; beyond: 400",
+        kind="int",
+        default_text="up to the model context",
+        flag=True,
+    )
+    graceful_shutdown_s: float = setting(
+        30.0, help="how long in-flight streams may drain on shutdown", kind="number", flag=True
+    )
+    body_timeout_s: float = setting(
+        10.0,
+        help="a request body not in full by then: 408, connection closed",
+        kind="number",
+        flag=True,
+    )
+    # Bounds what a flood of slow clients holds: well above max_concurrent_requests, under a
+    # 1024 fd limit.
+    max_connections: int = setting(
+        512,
+        help="open connections, idle keep-alive ones included; a new one closes the longest "
+        "idle, or gets 503 when all are busy",
+        kind="int",
+        flag=True,
+    )
+    max_connections_per_address: int | None = setting(
+        None,
+        help="connections one client address may hold",
+        kind="int",
+        default_text="a quarter of `max_connections`",
+        flag=True,
+    )
+    keep_alive_timeout_s: int = setting(
+        5, help="an idle keep-alive connection is closed after this", kind="int", flag=True
+    )
+    # Sockets that send nothing, or a byte now and then, do not hold a slot.
+    header_timeout_s: float = setting(
+        10.0,
+        help="request line and headers not in by then (from the connection's opening, or a "
+        "later request's first byte): connection closed",
+        kind="number",
+        flag=True,
+    )
+    api_docs: bool = setting(
+        False, help="serve `/docs`, `/redoc` and `/openapi.json`", kind="bool", flag=True
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:

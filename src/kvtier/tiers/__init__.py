@@ -3,41 +3,40 @@
 See docs/tiers.md for the contract, the formats on disk and in Redis, and the failure semantics.
 """
 
-from kvtier.tiers.base import (
-    CorruptRecord,
-    RejectedRecord,
-    TierBackend,
-    TierEntry,
-    TierError,
-    TierStats,
-)
-from kvtier.tiers.crypto import Sealer, Signer
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.mover import Mover, Prefetch
-from kvtier.tiers.payload import Payload
-from kvtier.tiers.redis_tier import RedisTier
-from kvtier.tiers.sized import SizeOnlyTier
-from kvtier.tiers.store import Chunk, Placement, TieredStore, chunk_id
+from __future__ import annotations
 
-__all__ = [
-    "Chunk",
-    "CorruptRecord",
-    "DiskTier",
-    "HostTier",
-    "Mover",
-    "Payload",
-    "Placement",
-    "Prefetch",
-    "RedisTier",
-    "RejectedRecord",
-    "Sealer",
-    "Signer",
-    "SizeOnlyTier",
-    "TierBackend",
-    "TierEntry",
-    "TierError",
-    "TierStats",
-    "TieredStore",
-    "chunk_id",
-]
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562): importing one light module of the package (its
+# settings, say) must not load torch and every backend with it.
+_EXPORTS = {
+    "Chunk": "kvtier.tiers.store",
+    "CorruptRecord": "kvtier.tiers.base",
+    "DiskTier": "kvtier.tiers.disk",
+    "HostTier": "kvtier.tiers.host",
+    "Mover": "kvtier.tiers.mover",
+    "Payload": "kvtier.tiers.payload",
+    "Placement": "kvtier.tiers.store",
+    "Prefetch": "kvtier.tiers.mover",
+    "RedisTier": "kvtier.tiers.redis_tier",
+    "RejectedRecord": "kvtier.tiers.base",
+    "Sealer": "kvtier.tiers.crypto",
+    "Signer": "kvtier.tiers.crypto",
+    "SizeOnlyTier": "kvtier.tiers.sized",
+    "TierBackend": "kvtier.tiers.base",
+    "TierEntry": "kvtier.tiers.base",
+    "TierError": "kvtier.tiers.base",
+    "TierStats": "kvtier.tiers.base",
+    "TieredStore": "kvtier.tiers.store",
+    "chunk_id": "kvtier.tiers.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

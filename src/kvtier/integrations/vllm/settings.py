@@ -11,15 +11,14 @@ whole), and nothing is spilled on eviction (vLLM evicts without telling a connec
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cache.config import TiersConfig
-from kvtier.cache.tiers_file import load_tiers
 from kvtier.errors import KvtierError
-from kvtier.policy.config import PolicyConfig, load_config
+from kvtier.policy.config import PolicyConfig
+from kvtier.settings.load import load_settings
 
 KNOWN_KEYS = ("config", "tiers", "policy", "namespace")
 
@@ -39,22 +38,21 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
             f"kv_connector_extra_config: unknown key {unknown[0]!r}; allowed: "
             + ", ".join(KNOWN_KEYS)
         )
-    path = extra.get("config")
-    tiers_table = _table(extra, "tiers")
-    policy_table = _table(extra, "policy")
-    tiers = load_tiers(path, overrides=tiers_table)
-    if tiers is None:
+    settings = load_settings(
+        extra.get("config"),
+        inline={name: _table(extra, name) for name in ("tiers", "policy")},
+        inline_label="kv_connector_extra_config",
+    )
+    if settings.tiers is None:
         raise KvtierError(
             "kv_connector_extra_config: every tier is off (host_bytes 0, no disk_dir, no "
-            "redis_url): the kvtier connector would have nowhere to keep KV"
+            "remote_url): the kvtier connector would have nowhere to keep KV"
         )
-    tiers = dataclasses.replace(tiers, write_through=True, spill_on_evict=True)
-    settings = [f"{key}={_toml(value)}" for key, value in _flatten(policy_table)]
-    policy = load_config(path, settings=settings)
+    tiers = dataclasses.replace(settings.tiers, write_through=True, spill_on_evict=True)
     namespace = extra.get("namespace")
     if namespace is not None and not isinstance(namespace, str):
         raise KvtierError(f"kv_connector_extra_config.namespace: a string, got {namespace!r}")
-    return ConnectorSettings(tiers, policy, namespace)
+    return ConnectorSettings(tiers, settings.policy, namespace)
 
 
 def _table(extra: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -62,22 +60,3 @@ def _table(extra: Mapping[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(table, Mapping):
         raise KvtierError(f"kv_connector_extra_config.{name}: a table (dict), got {table!r}")
     return dict(table)
-
-
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items: list[tuple[str, Any]] = []
-    for key, value in table.items():
-        if isinstance(value, Mapping) and key != "options":
-            items += _flatten(value, f"{prefix}{key}.")
-        else:
-            items.append((prefix + key, value))
-    return items
-
-
-def _toml(value: Any) -> str:
-    """A value as the TOML text `load_config` parses back (JSON scalars are TOML too)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)

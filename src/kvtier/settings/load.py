@@ -1,0 +1,227 @@
+"""The effective settings of a command: kvtier.toml, then `KVTIER_<TABLE>__<KEY>` environment
+variables, then inline tables (the vLLM connector's `kv_connector_extra_config`), then
+`--<table>-set KEY=VALUE`, then dedicated flags; each later source wins, and every value
+remembers where it came from.
+
+Each table is validated by its own model (catalog.py says which). An error names the key,
+where its value came from and, for a key no table has, the closest valid one, as one
+`kvtier: error:` line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.cache.config import TiersConfig
+from kvtier.cache.tiers_file import build_tiers, unknown_key
+from kvtier.errors import KvtierError
+from kvtier.plan.units import parse_size
+from kvtier.policy.config import (
+    CONFIG_ENV,
+    DEFAULT_FILE,
+    CompressionSection,
+    PolicyConfig,
+    load_config_traced,
+)
+from kvtier.server.config import ServerConfig, tenant_from_mapping
+from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
+from kvtier.toml_table import setting_value
+
+FLAT_TABLES = ("tiers", "scheduling", "server", "compression")
+DEFAULT_ORIGIN = "default"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a command runs with. `tiers` is None when every tier is off (device only)."""
+
+    path: str | None  # the config file read, if any
+    tiers: TiersConfig | None
+    policy: PolicyConfig
+    compression: CompressionSection
+    # the [scheduling] keys given, as EngineConfig fields (its defaults fill in the rest)
+    scheduling: dict[str, Any]
+    server: ServerConfig
+    # "table.key" -> where its value came from; keys not listed have their default
+    origins: dict[str, str] = field(default_factory=dict)
+    # the values as given, per flat table ("table.key" -> value), for `kvtier config show`
+    given: dict[str, Any] = field(default_factory=dict)
+
+    def origin(self, table: str, key: str) -> str:
+        return self.origins.get(f"{table}.{key}", DEFAULT_ORIGIN)
+
+
+def config_path(given: str | None) -> str | None:
+    """The config file: `--config`, else $KVTIER_CONFIG, else ./kvtier.toml when present."""
+    path = given or os.environ.get(CONFIG_ENV)
+    if path is None and Path(DEFAULT_FILE).is_file():
+        path = DEFAULT_FILE
+    return path
+
+
+def load_settings(
+    path: str | None,
+    *,
+    env: Mapping[str, str] | None = None,
+    inline: Mapping[str, Mapping[str, Any]] | None = None,
+    inline_label: str = "inline",
+    sets: Mapping[str, Sequence[str]] | None = None,
+    flags: Mapping[str, Mapping[str, Any]] | None = None,
+    policy_name: str | None = None,
+) -> Settings:
+    """Merge the sources of every table (see the module doc) and validate each. `sets`:
+    table -> its `--<table>-set KEY=VALUE` settings; `flags`: table -> key -> value of its
+    dedicated flags (None: not given)."""
+    env = os.environ if env is None else env
+    inline, sets, flags = inline or {}, sets or {}, flags or {}
+    file_tables = _read_file(path) if path is not None else {}
+    values: dict[str, dict[str, Any]] = {name: {} for name in FLAT_TABLES}
+    origins: dict[str, str] = {}
+
+    def put(table: str, key: str, value: Any, origin: str) -> None:
+        if key not in keys_of(table) and not (table == "server" and key == "tenants"):
+            raise KvtierError(f"{table}.{key} (from {origin}): {unknown_key(key, keys_of(table))}")
+        values[table][key] = value
+        origins[f"{table}.{key}"] = origin
+
+    for table in FLAT_TABLES:
+        for key, value in file_tables.get(table, {}).items():
+            put(table, key, value, str(path))
+        prefix = f"{ENV_PREFIX}{table.upper()}__"
+        for variable, text in sorted(env.items()):
+            if variable.startswith(prefix):
+                key = variable.removeprefix(prefix).lower()
+                put(table, key, setting_value(text), f"environment variable {variable}")
+        for key, value in (inline.get(table) or {}).items():
+            put(table, key, value, f"{inline_label}.{table}")
+        for setting in sets.get(table, ()):
+            key, sep, text = setting.partition("=")
+            if not sep or not key.strip():
+                raise KvtierError(
+                    f"--{table}-set takes KEY=VALUE (e.g. {keys_of(table)[0]}=...), not {setting!r}"
+                )
+            put(table, key.strip(), setting_value(text.strip()), f"--{table}-set {setting}")
+        for key, value in (flags.get(table) or {}).items():
+            if value is not None:
+                put(table, key, value, "--" + key.replace("_", "-"))
+
+    policy_sets = [f"{k}={toml_text(v)}" for k, v in _flatten(inline.get("policy") or {})]
+    policy_sets += list(sets.get("policy", ()))
+    policy_flags = {k: v for k, v in (flags.get("policy") or {}).items() if v is not None}
+    policy_sets += [f"{key}={toml_text(value)}" for key, value in policy_flags.items()]
+    policy, policy_origins = load_config_traced(
+        path if "policy" in file_tables else None,
+        env=env,
+        settings=policy_sets,
+        policy=policy_name,
+    )
+    origins.update({f"policy.{key}": origin for key, origin in policy_origins.items()})
+    tier_origins = {
+        key.removeprefix("tiers."): origin
+        for key, origin in origins.items()
+        if key.startswith("tiers.")
+    }
+    return Settings(
+        path=path,
+        tiers=build_tiers(values["tiers"], tier_origins),
+        policy=policy,
+        compression=_compression(values["compression"], origins),
+        scheduling=_scheduling(values["scheduling"], origins),
+        server=_server(values["server"], origins),
+        origins=origins,
+        given={f"{t}.{k}": v for t, table in values.items() for k, v in table.items()},
+    )
+
+
+def _read_file(path: str) -> dict[str, dict[str, Any]]:
+    try:
+        with Path(path).open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise KvtierError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
+    for name, table in data.items():
+        if name not in TABLES:
+            close = difflib.get_close_matches(name, list(TABLES), n=1)
+            hint = f"did you mean [{close[0]}]?" if close else f"tables: {', '.join(TABLES)}"
+            raise KvtierError(f"{path}: unknown table [{name}]; {hint}")
+        if not isinstance(table, dict):
+            raise KvtierError(f"{path}: '{name}' must be a table ([{name}]), not {table!r}")
+    return data
+
+
+def _where(table: str, key: str, origins: Mapping[str, str]) -> str:
+    origin = origins.get(f"{table}.{key}")
+    return f"{table}.{key}" + (f" (from {origin})" if origin else "")
+
+
+def _scheduling(given: Mapping[str, Any], origins: Mapping[str, str]) -> dict[str, Any]:
+    """The given [scheduling] keys as EngineConfig fields, each checked as EngineConfig
+    checks it (an EngineConfig of just that key, the rest default)."""
+    from kvtier.engine.config import EngineConfig
+
+    kinds = {row.key: row.doc.kind for row in settings_of("scheduling")}
+    checked: dict[str, Any] = {}
+    for key, value in given.items():
+        where = _where("scheduling", key, origins)
+        if kinds[key] == "size" and isinstance(value, str):
+            try:
+                value = parse_size(value)
+            except (KvtierError, ValueError) as exc:
+                raise KvtierError(f"{where}: {exc}") from None
+        if kinds[key] == "number" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        try:
+            EngineConfig(**{key: value})
+        except (KvtierError, TypeError) as exc:
+            raise KvtierError(f"{where}: {exc}") from None
+        checked[key] = value
+    return checked
+
+
+def _server(given: Mapping[str, Any], origins: Mapping[str, str]) -> ServerConfig:
+    table = dict(given)
+    tenants = table.pop("tenants", {}) or {}
+    if not isinstance(tenants, Mapping):
+        raise KvtierError(f"{_where('server', 'tenants', origins)}: a table of tables")
+    for name, spec in tenants.items():
+        if not isinstance(spec, Mapping):
+            raise KvtierError(f"server.tenants.{name} must be a table")
+    try:
+        for key in table:  # one key at a time, so an error names its source
+            ServerConfig(**{key: table[key]})
+    except (KvtierError, TypeError) as exc:
+        raise KvtierError(f"{_where('server', key, origins)}: {exc}") from None
+    built = {name: tenant_from_mapping(name, dict(spec)) for name, spec in tenants.items()}
+    return ServerConfig(tenants=built, **table)
+
+
+def _compression(given: Mapping[str, Any], origins: Mapping[str, str]) -> CompressionSection:
+    from pydantic import ValidationError
+
+    try:
+        return CompressionSection.model_validate(dict(given))
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            key = str(error["loc"][0]) if error["loc"] else "preset"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            lines.append(f"{_where('compression', key, origins)}: {message}")
+        raise KvtierError("invalid compression configuration: " + "; ".join(lines)) from None
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, Mapping) and key != "options":
+            items += _flatten(value, f"{prefix}{key}.")
+        else:
+            items.append((prefix + key, value))
+    return items
