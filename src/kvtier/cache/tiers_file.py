@@ -1,8 +1,8 @@
-"""The `[tiers]` table of kvtier.toml -> `TiersConfig`, with command-line overrides.
-
-One loader for every command that runs the engine with tiers. Keys are TiersConfig's own
-names, except that the remote tier is `remote_*` (the table names tiers, not products) and the
-master key comes from a file::
+"""The `[tiers]` table -> `TiersConfig`: sizes parsed, the disk tier's defaults taken from its
+filesystem, the master key read from its file. `kvtier.settings` merges the table's sources
+(file, environment, flags) and calls `build_tiers`. Keys are TiersConfig's settings (their
+`key` where it differs: the remote tier is `remote_*`, the table names tiers, not products),
+and the master key comes from a file::
 
     [tiers]
     host_bytes = "8GiB"            # sizes: bytes, or "512MiB", "8GiB", "1TB"; 0 turns it off
@@ -35,7 +35,6 @@ from typing import Any
 from kvtier.cache.config import TiersConfig, default_host_bytes
 from kvtier.errors import KvtierError
 from kvtier.setting_doc import META_KEY, SettingDoc
-from kvtier.toml_table import read_table, setting_value
 
 # Keys of the table that are no TiersConfig field: the master key comes from a file.
 KEY_FILE_SETTINGS = {
