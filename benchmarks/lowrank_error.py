@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.calibration.lowrank_fit import calibration_text, calibration_tokens, prompt_kv
+from kvtier.lowrank.fit import calibration_text, calibration_tokens, prompt_kv
 from kvtier.compress.lowrank import CALIBRATION_TOKENS, MomentAccumulator
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.llama import rope_tables

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier.calibration.lowrank import with_fitted_bases
+from kvtier.lowrank.bases import with_fitted_bases
 from kvtier.compress import CompressionConfig, PressSpec
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.eval.sample import read_jsonl

@@ -209,7 +209,7 @@ def test_the_tiers_keys_of_the_configuration_reference_are_the_tables():
 
 def test_the_server_keys_of_the_configuration_reference_are_the_tables():
     from kvtier.errors import KvtierError
-    from kvtier.server.config import ServerConfig, tenant_from_mapping
+    from kvtier.settings.server import ServerConfig, tenant_from_mapping
 
     keys = _reference_keys("server")
     assert keys

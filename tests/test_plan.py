@@ -20,7 +20,7 @@ from kvtier.plan.hardware import ACCELERATORS, DEFAULT_EFFICIENCY, transfer_seco
 from kvtier.plan.kv_dtypes import get_kv_dtype
 from kvtier.plan.planner import plan, prefill_flops
 from kvtier.plan.report import verdict
-from kvtier.plan.units import format_bytes, format_gib, parse_size, parse_token_counts
+from kvtier.units import format_bytes, format_gib, parse_size, parse_token_counts
 
 GB = 10**9
 

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from kvtier.bench.replay import BenchClock, next_arrivals, prompt_token_ids, replay, warm_up
+from kvtier.bench.replay import BenchClock, prompt_token_ids, replay, warm_up
+from kvtier.workload.arrivals import next_arrivals
 from kvtier.workload.model import Session, Turn, Workload, flatten
 
 GAP_S = 600.0  # between turns: far beyond resume_after_s, and far beyond the replay's wall time

@@ -7,14 +7,6 @@ import itertools
 import pytest
 import torch
 
-from kvtier.calibration import lowrank
-from kvtier.calibration.lowrank import cache_path, load_or_fit, with_fitted_bases
-from kvtier.calibration.lowrank_fit import (
-    calibration_text,
-    calibration_tokens,
-    fit_basis,
-    prompt_kv,
-)
 from kvtier.compress import CompressionConfig, PressSpec, fitted_bases, parse_method
 from kvtier.compress.fitted_bases import LowRankFit, provide_basis, ready_basis
 from kvtier.compress.lowrank import LowRankBasis, save_basis
@@ -22,6 +14,14 @@ from kvtier.compress.presses.lowrank import LowRankCodec, LowRankPress
 from kvtier.compress.registry import build_lowrank_press
 from kvtier.engine import SamplingParams
 from kvtier.errors import KvtierError
+from kvtier.lowrank import lowrank
+from kvtier.lowrank.bases import cache_path, load_or_fit, with_fitted_bases
+from kvtier.lowrank.fit import (
+    calibration_text,
+    calibration_tokens,
+    fit_basis,
+    prompt_kv,
+)
 from kvtier.models.resolve import resolve_model_dir
 
 from .conftest import prose_prompt

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtier.server.config import ServerConfig, TenantConfig
+from kvtier.settings.server import ServerConfig, TenantConfig
 
 BLOCK_BYTES = 368_640  # SmolLM2, bf16, 16 tokens
 NUM_BLOCKS = 96

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.errors import KvtierError
 from kvtier.server import command
-from kvtier.server.config import ServerConfig, parse_tenant_flag
+from kvtier.settings.server import ServerConfig, parse_tenant_flag
 from tests.server.conftest import MODEL, start_server, stop_server, wait_idle
 
 

@@ -27,8 +27,8 @@ import pytest
 from kvtier.engine.sampling import SamplingParams
 from kvtier.server import command
 from kvtier.server.app import create_app
-from kvtier.server.config import ServerConfig
 from kvtier.server.summary import startup_summary
+from kvtier.settings.server import ServerConfig
 from tests.server.conftest import (
     ADMIN_KEY,
     ALICE_KEY,

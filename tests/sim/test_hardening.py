@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.plan.units import format_bytes
+from kvtier.units import format_bytes
 
 BENCH_RUN = Path(__file__).parent / "data" / "bench-demo-2-sessions"
 # the set-up the simulator must take from the run, as the run recorded it

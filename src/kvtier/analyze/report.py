@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.analyze.metrics import RETURN_WITHIN_S, Analysis, Summary
-from kvtier.plan.units import format_bytes, format_seconds
+from kvtier.units import format_bytes, format_seconds
 
 SCHEMA = "kvtier.analyze/1"
 _MAX_JSON_ERRORS = 50

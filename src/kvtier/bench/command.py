@@ -220,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_policy(args, name, base, tiers, policy_config, requests):
     from kvtier.bench import engines
-    from kvtier.bench.replay import BenchClock, next_arrivals, replay, warm_up
+    from kvtier.bench.replay import BenchClock, replay, warm_up
     from kvtier.policy.metrics import Calibration
+    from kvtier.workload.arrivals import next_arrivals
 
     arrivals = next_arrivals(requests)
     clock = BenchClock()

@@ -18,7 +18,7 @@ def forms_line(tiers: dict[str, Any]) -> str | None:
     """Blocks restored per quantized form and the encodes behind them (None: none), from the
     connector's stats: what `[policy] max_accuracy_loss` let the policy choose."""
     # imported here: kvtier.tiers pulls in torch, and building the CLI parser must not
-    from kvtier.tiers.vocab import FORMS, FULL
+    from kvtier.vocab import FORMS, FULL
 
     counters = tiers.get("counters", {})
     # the connector counts all restored blocks, and those of each lossy form apart

@@ -88,17 +88,6 @@ class _InFlight:
     text: list[str] = field(default_factory=list)
 
 
-def next_arrivals(requests: Sequence[Request]) -> dict[str, list[float]]:
-    """Session id -> sorted trace arrival times of its turns, relative to the first arrival:
-    what `OraclePolicy(next_arrivals)` is told. `replay` updates the lists in place when a
-    closed-loop turn's real send time becomes known, so the oracle sees the actual future."""
-    origin = min((r.arrival_s for r in requests), default=0.0)
-    arrivals: dict[str, list[float]] = {}
-    for request in requests:
-        arrivals.setdefault(request.session_id, []).append(request.arrival_s - origin)
-    return {session: sorted(times) for session, times in arrivals.items()}
-
-
 def prompt_token_ids(
     engine: Engine, request: Request, answers: Mapping[int, str] | None = None
 ) -> list[int]:

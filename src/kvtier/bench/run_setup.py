@@ -38,8 +38,8 @@ class RunSettings:
 
 def run_settings(args: argparse.Namespace) -> RunSettings:
     from kvtier.engine.config import EngineConfig
-    from kvtier.plan.units import parse_size
     from kvtier.settings.flags import from_args
+    from kvtier.units import parse_size
 
     settings = from_args(args, SETTINGS_TABLES)
     defaults = EngineConfig()
@@ -104,7 +104,7 @@ def compression(
             workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=run.resume_after_s
         )
         print(f"compression auto -> {choice}")
-    from kvtier.calibration.lowrank import with_fitted_bases
+    from kvtier.lowrank.bases import with_fitted_bases
 
     compression = with_fitted_bases(section.build(choice))
     if compression is None and choice is None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.cache.forms import lossiest
 from kvtier.tiers import Chunk
-from kvtier.tiers.vocab import DEVICE
+from kvtier.vocab import DEVICE
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector

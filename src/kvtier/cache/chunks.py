@@ -28,7 +28,7 @@ from kvtier.engine.connector import KVBlockPort
 from kvtier.engine.device_copy import for_device
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, Payload, TieredStore
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 
 class Chunks:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvtier.errors import KvtierError
 from kvtier.setting_doc import setting
-from kvtier.tiers.vocab import DISK_BACKEND_NAMES, FORM_PRECISION, FULL, LOWER_TIERS
+from kvtier.vocab import DISK_BACKEND_NAMES, FORM_PRECISION, FULL, LOWER_TIERS
 
 if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostProfile

@@ -43,7 +43,7 @@ from kvtier.engine.request import Request
 from kvtier.errors import KvtierError
 from kvtier.tiers import Mover, Payload, TieredStore
 from kvtier.tiers.factory import build_tiers
-from kvtier.tiers.vocab import DISK, HOST, SOURCES
+from kvtier.vocab import DISK, HOST, SOURCES
 
 if TYPE_CHECKING:
     from kvtier.policy.base import RetentionPolicy

@@ -21,8 +21,8 @@ import torch
 
 from kvtier.compress.codecs import Int4Codec, Int8Codec, IntCodec, warm_up_fused
 from kvtier.tiers import Payload
-from kvtier.tiers.vocab import FORM_PRECISION as PRECISION
-from kvtier.tiers.vocab import FULL, INT4, lossiest
+from kvtier.vocab import FORM_PRECISION as PRECISION
+from kvtier.vocab import FULL, INT4, lossiest
 
 __all__ = ["CODECS", "ChunkForms", "Restored", "lossiest"]
 

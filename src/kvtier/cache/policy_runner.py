@@ -32,7 +32,7 @@ from kvtier.policy.view import (
     TurnView,
 )
 from kvtier.tiers import Chunk
-from kvtier.tiers.vocab import DEVICE, FULL
+from kvtier.vocab import DEVICE, FULL
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector

@@ -39,7 +39,7 @@ from kvtier.cache.layers import LayerJob, LayerLoader
 from kvtier.engine.request import Request
 from kvtier.tiers import Chunk, Mover, Payload, Placement, TieredStore
 from kvtier.tiers.payload import as_buffer
-from kvtier.tiers.vocab import DEVICE, FULL, RECOMPUTED, SOURCES
+from kvtier.vocab import DEVICE, FULL, RECOMPUTED, SOURCES
 
 if TYPE_CHECKING:
     from kvtier.policy.cost_model import CostModel

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.connector import TieredConnector
-from kvtier.calibration.lowrank import with_fitted_bases
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import Engine
+from kvtier.lowrank.bases import with_fitted_bases
 from kvtier.models import EMBEDDED_MODEL_NAME
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def build_engine(
 ) -> Engine:
     """An engine, with a tiered connector when `cache` is given (None: device only). A
     low-rank press in the compression pipeline gets its basis first (fitted once and cached
-    on disk: `kvtier.calibration.lowrank`)."""
+    on disk: `kvtier.lowrank.bases`)."""
     config = config or EngineConfig()
     if config.compression is not None:
         config = dataclasses.replace(config, compression=with_fitted_bases(config.compression))

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvtier.tiers.vocab import DISK, HOST
+from kvtier.vocab import DISK, HOST
 
 if TYPE_CHECKING:
     from kvtier.cache.connector import TieredConnector

@@ -158,7 +158,7 @@ def _size(value: Any, where: str) -> int:
     if isinstance(value, str):
         if value.strip() == "0":
             return 0
-        from kvtier.plan.units import parse_size
+        from kvtier.units import parse_size
 
         try:
             return parse_size(value)

@@ -1,6 +1,6 @@
 """The low-rank bases ready for the press in this process, by what they were fitted on.
 
-A basis is fitted by running the model (`kvtier.calibration.lowrank`, above the engine), but
+A basis is fitted by running the model (`kvtier.lowrank.bases`, above the engine), but
 the press is built inside the engine from a `PressSpec`: plain data that configs and results
 record, so it cannot carry tensors. The calibration step therefore puts each basis here
 first (`provide_basis`), under the spec options that name it (`LowRankFit`), and the press
@@ -72,7 +72,7 @@ def ready_basis(fit: LowRankFit) -> LowRankBasis:
     if basis is None:
         raise KvtierError(
             f"lowrank: no basis fitted for {fit} in this process; fit it before handing the "
-            "pipeline to the engine: kvtier.calibration.lowrank.with_fitted_bases(compression) "
+            "pipeline to the engine: kvtier.lowrank.bases.with_fitted_bases(compression) "
             "(the kvtier commands do this)"
         )
     return basis

@@ -23,7 +23,7 @@ A fit depends only on (model, calibration text, length, grouping), never on the 
 bases hold every direction, most variance first, and rank r is the first r of them.
 
 This module is the basis and its arithmetic only. Fitting one runs the model, so it is a
-calibration step above the engine (`kvtier.calibration.lowrank`: a prefill feeding
+calibration step above the engine (`kvtier.lowrank.bases`: a prefill feeding
 `MomentAccumulator`, the disk cache of fits); it hands the press a ready basis through
 `kvtier.compress.fitted_bases`.
 """

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 FULL_FORM = FULL  # the pool's own dtype, bit for bit
 

@@ -28,8 +28,8 @@ from kvtier.eval.methods import FULL, MethodRun
 from kvtier.eval.report import summarize
 from kvtier.eval.runner import RunnerConfig, make_engine, run_eval
 from kvtier.eval.sample import Sample
-from kvtier.tiers.vocab import FORMS
-from kvtier.tiers.vocab import FULL as FULL_FORM
+from kvtier.vocab import FORMS
+from kvtier.vocab import FULL as FULL_FORM
 
 STORED_FORMS = tuple(f for f in FORMS if f != FULL_FORM)  # int8, int4
 METRIC = "kvtier eval average score (points, 0-100) over the tasks"

@@ -96,7 +96,7 @@ def run_eval(
     engine: Any = None,
     progress: Callable[[str], None] | None = None,
 ) -> EvalRun:
-    from kvtier.calibration.lowrank import with_fitted_bases
+    from kvtier.lowrank.bases import with_fitted_bases
 
     engine = engine or make_engine(config)
     results: list[SampleResult] = []

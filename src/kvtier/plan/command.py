@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.plan.hardware import get_accelerator
     from kvtier.plan.kv_dtypes import get_kv_dtype
     from kvtier.plan.planner import plan
-    from kvtier.plan.units import parse_count, parse_size, parse_token_counts
+    from kvtier.units import parse_count, parse_size, parse_token_counts
 
     if args.hardware == "list":
         _print_hardware()

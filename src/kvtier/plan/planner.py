@@ -31,7 +31,7 @@ from kvtier.errors import KvtierError
 from kvtier.plan.geometry import ModelGeometry
 from kvtier.plan.hardware import LINKS, Accelerator, Link, transfer_seconds
 from kvtier.plan.kv_dtypes import WEIGHT_DTYPES, KVDtype, get_kv_dtype
-from kvtier.plan.units import check_context
+from kvtier.units import check_context
 
 WEIGHT_GROUP_SIZE = 128  # AWQ/GPTQ's usual group when weights are integer-quantized
 GPU_COUNTS = (1, 2, 4, 8)  # tensor-parallel sizes tried when the GPU count is left to us

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.plan.planner import ContextPlan, Plan, weight_bytes
-from kvtier.plan.units import format_bytes, format_count, format_gib, format_seconds
+from kvtier.units import format_bytes, format_count, format_gib, format_seconds
 
 SCHEMA = "kvtier.plan/1"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
-from kvtier.tiers.vocab import FORM_PRECISION, FULL
+from kvtier.vocab import FORM_PRECISION, FULL
 
 FIGURES_FILE = "forms.json"  # what `kvtier eval --kv-forms` writes into --out
 

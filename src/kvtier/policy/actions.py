@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 
 @dataclass(frozen=True)

@@ -441,9 +441,8 @@ def _describe(
     if error["type"] == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         close = difflib.get_close_matches(loc[-1], allowed, n=1)
-        if close:
-            return f"{key}{where}: unknown key; did you mean {close[0]}?"
-        return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}"
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"{key}{where}: unknown key; allowed here: {', '.join(allowed)}{hint}"
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] not in ("missing", "value_error"):
         message += f", got {error['input']!r}"

@@ -57,7 +57,7 @@ import numpy as np
 from kvtier.errors import KvtierError
 from kvtier.plan.hardware import DEFAULT_EFFICIENCY, LINKS
 from kvtier.policy.ledger import form_bytes
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 if TYPE_CHECKING:
     from kvtier.plan.geometry import ModelGeometry

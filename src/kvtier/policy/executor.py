@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvtier.policy.actions import Action, Drop, Keep, Move
-from kvtier.tiers.vocab import DEVICE
+from kvtier.vocab import DEVICE
 
 
 class ChunkTarget(Protocol):

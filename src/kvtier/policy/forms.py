@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.ledger import form_bytes
 from kvtier.policy.view import ChunkView
-from kvtier.tiers.vocab import DEVICE, DISK, FORM_PRECISION, FULL, REMOTE
+from kvtier.vocab import DEVICE, DISK, FORM_PRECISION, FULL, REMOTE
 
 LOSSY_TIERS = (DISK, REMOTE)
 

@@ -31,7 +31,7 @@ from kvtier.policy.actions import Action, Drop, Move
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.forms import FormChooser
 from kvtier.policy.view import TIER_RANK, SessionView
-from kvtier.tiers.vocab import DEVICE
+from kvtier.vocab import DEVICE
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Literal
 from kvtier.policy.cost_model import CostModel
 from kvtier.policy.forms import chunk_restore_s
 from kvtier.policy.view import ChunkView
-from kvtier.tiers.vocab import DEVICE
+from kvtier.vocab import DEVICE
 
 PlanKind = Literal["load", "recompute", "bidirectional"]
 

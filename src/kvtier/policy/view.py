@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import Literal
 
 # TIERS is fastest first; every list of tiers in this package is in this order.
-from kvtier.tiers.vocab import FULL, TIER_RANK, TIERS
+from kvtier.vocab import FULL, TIER_RANK, TIERS
 
 Reason = Literal["timer", "pressure"]
 

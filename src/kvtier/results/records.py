@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvtier.tiers.vocab import LOWER_TIERS, SOURCES
+from kvtier.vocab import LOWER_TIERS, SOURCES
 
 SCHEMA = "kvtier.results/1"
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
-from kvtier.plan.units import format_bytes
 from kvtier.results.records import (
     RESTORE_SOURCES,
     SCHEMA,
@@ -29,6 +28,7 @@ from kvtier.results.records import (
     RunRecords,
 )
 from kvtier.results.summary import summarize
+from kvtier.units import format_bytes
 
 Table = tuple[str, list[str], list[list[str]]]  # title, header, rows
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.plan.units import format_bytes
 from kvtier.results.report import Table
+from kvtier.units import format_bytes
 
 MIN_RESUMED = 10  # resumed turns per policy a call needs: a p50 of fewer moves with each turn
 CLOSE = 0.9  # the winner's p50 must be under 0.9x the next best's: closer is within the noise

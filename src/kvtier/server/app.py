@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
-from kvtier.server.config import ServerConfig
 from kvtier.server.metrics import ServerMetrics, prompt_token_sources
 from kvtier.server.middleware import BodyLimitMiddleware, InternalErrorMiddleware
 from kvtier.server.protocol import (
@@ -37,6 +36,7 @@ from kvtier.server.protocol import (
     error_body,
 )
 from kvtier.server.tenants import ANONYMOUS, TenantCache, TenantCacheStats
+from kvtier.settings.server import ServerConfig
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine

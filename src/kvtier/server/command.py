@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     import uvicorn
 
     from kvtier.engine import Engine
-    from kvtier.server.config import ServerConfig
     from kvtier.settings.load import Settings
+    from kvtier.settings.server import ServerConfig
 
 SETTINGS_TABLES = ("tiers", "scheduling", "policy", "compression", "server")
 
@@ -98,7 +98,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
 
 
 def build_server_config(args: argparse.Namespace) -> ServerConfig:
-    from kvtier.server.config import parse_tenant_flag
+    from kvtier.settings.server import parse_tenant_flag
 
     config = settings_of(args).server
     for flag in args.tenant:

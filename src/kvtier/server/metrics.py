@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtier.tiers.base import ERROR_REASONS
-from kvtier.tiers.vocab import LOWER_TIERS, SOURCES
+from kvtier.vocab import LOWER_TIERS, SOURCES
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import EngineStats, RequestOutput

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.plan.units import format_bytes
+from kvtier.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import Engine
-    from kvtier.server.config import ServerConfig
+    from kvtier.settings.server import ServerConfig
 
 
 def startup_summary(engine: Engine, config: ServerConfig, address: str) -> str:

@@ -98,7 +98,7 @@ TABLES: dict[str, Table] = {
             "server",
             "model id, tenants, API keys, limits, connections",
             "`kvtier serve`, `config show`",
-            "kvtier.server.config:ServerConfig",
+            "kvtier.settings.server:ServerConfig",
         ),
     )
 }

@@ -98,8 +98,11 @@ def flag_values(args: argparse.Namespace, table: str) -> dict[str, Any]:
     return {key: getattr(args, key, None) for key in keys}
 
 
-def from_args(args: argparse.Namespace, tables: Sequence[str]) -> Settings:
-    """The effective settings of a command whose parser has `tables`' groups."""
+def from_args(
+    args: argparse.Namespace, tables: Sequence[str], *, policy_name: str | None = None
+) -> Settings:
+    """The effective settings of a command whose parser has `tables`' groups (`policy_name`:
+    the policy a run is for, over --policy)."""
     # imported here: the loader validates [policy], whose model loads numba kernels
     from kvtier.settings.load import config_path, load_settings
 
@@ -107,7 +110,7 @@ def from_args(args: argparse.Namespace, tables: Sequence[str]) -> Settings:
         config_path(getattr(args, "config", None)),
         sets={table: getattr(args, f"{table}_set", None) or [] for table in tables},
         flags={table: flag_values(args, table) for table in tables},
-        policy_name=getattr(args, "policy", None),
+        policy_name=policy_name or getattr(args, "policy", None),
     )
 
 

@@ -21,7 +21,6 @@ from typing import Any
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.tiers_file import build_tiers, unknown_key
 from kvtier.errors import KvtierError
-from kvtier.plan.units import parse_size
 from kvtier.policy.config import (
     CONFIG_ENV,
     DEFAULT_FILE,
@@ -29,9 +28,10 @@ from kvtier.policy.config import (
     PolicyConfig,
     load_config_traced,
 )
-from kvtier.server.config import ServerConfig, tenant_from_mapping
 from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
+from kvtier.settings.server import ServerConfig, tenant_from_mapping
 from kvtier.toml_table import setting_value
+from kvtier.units import parse_size
 
 FLAT_TABLES = ("tiers", "scheduling", "server", "compression")
 DEFAULT_ORIGIN = "default"

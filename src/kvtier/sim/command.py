@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
-from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
+from kvtier.settings.flags import add_config_argument, add_table_arguments
+from kvtier.workload.flags import add_workload_arguments
 
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from kvtier.workload.model import Request
 
 DEFAULT_OUT = "out/simulate"
+# [tiers] keys a simulated replica has no use for: it models tiers by size and link alone
+_NOT_SIMULATED = (
+    "disk_dir",
+    "remote_url",
+    "remote_cluster",
+    "encrypt",
+    "encrypt_key_file",
+    "create_key",
+    "restore_pipeline",
+)
 # The flags that describe what is simulated, and their defaults. They parse to None when not
 # given: a validation (--against) takes them from the bench run instead (validation.setup_from).
 DEFAULTS: dict[str, Any] = {
@@ -48,10 +58,11 @@ DEFAULTS: dict[str, Any] = {
     "device_kv_bytes": None,
     "host_bytes": "1TB",
     "disk_bytes": "0",
+    "remote_bytes": "0",
     "chunk_tokens": 256,
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
-    "resume_after": 30.0,
+    "session_resume_after_s": 30.0,
     "timer_after_steps": False,
     "shared_prefixes": False,
     "write_through": False,
@@ -76,26 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         help=f"comma-separated, one run each; oracle knows the future ({DEFAULTS['policies']})",
     )
-    pol.add_argument(
-        "--policy-set",
-        metavar="KEY=VALUE",
-        action="append",
-        help="set a [policy] key for every run, e.g. interval_s=30 (repeatable)",
-    )
-    pol.add_argument("--config", metavar="PATH", help="kvtier.toml ([policy] table)")
-    pol.add_argument(
-        "--max-accuracy-loss",
-        type=float,
-        metavar="POINTS",
-        help="let the cost policy store chunks on disk/remote as int8/int4 where their "
-        "measured kvtier eval loss is at most this ([policy] max_accuracy_loss; default 0)",
-    )
-    pol.add_argument(
-        "--accuracy-file",
-        metavar="PATH",
-        help="accuracy figures (kvtier eval --kv-forms ... writes DIR/forms.json); default: "
-        "kvtier's bundled figures for --model, if any",
-    )
+    add_config_argument(pol)
     hw = parser.add_argument_group(
         "deployment (budgets are per replica; with --against, what is not given is the bench run's)"
     )
@@ -120,29 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="device KV pool (default: 90%% of GPU memory minus the weights)",
     )
-    hw.add_argument("--host-bytes", metavar="SIZE", help="host DRAM tier (1TB)")
-    hw.add_argument("--disk-bytes", metavar="SIZE", help="NVMe tier (0: none)")
-    hw.add_argument("--remote-bytes", default="0", metavar="SIZE", help="remote tier (0: none)")
-    hw.add_argument("--chunk-tokens", type=int, help="tokens moved as one chunk (256)")
-    hw.add_argument("--max-num-seqs", type=int, help="running requests (256)")
-    batched = hw.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (8192)")
-    add_hidden_alias(hw, batched, "--max-batched-tokens")  # its spelling before vLLM's
-    hw.add_argument("--resume-after", type=float, help="gap (s) that makes a turn resumed (30)")
     hw.add_argument(
         "--timer-after-steps",
         action=argparse.BooleanOptionalAction,
         help="run the policy timer only after engine steps, as kvtier's engine does (validation)",
-    )
-    hw.add_argument(
-        "--write-through",
-        action=argparse.BooleanOptionalAction,
-        help="copy each turn's full chunks to the top lower tier as it ends (tiers.write_through)",
-    )
-    hw.add_argument(
-        "--keep-moved",
-        action=argparse.BooleanOptionalAction,
-        help="a chunk moved off the device keeps its pages there until the pool needs them, "
-        "as vLLM's prefix cache keeps freed blocks",
     )
     hw.add_argument(
         "--shared-prefixes",
@@ -150,6 +123,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let a new conversation reuse leading blocks other conversations computed, as the "
         "engine's prefix cache does (system prompts; validation)",
     )
+    # The same [tiers] and [scheduling] flags as serve and bench, less what a simulated
+    # replica has no use for; sizes default to the data-centre node being simulated.
+    add_table_arguments(
+        parser,
+        "tiers",
+        skip=_NOT_SIMULATED,
+        defaults={
+            "host_bytes": f"{DEFAULTS['host_bytes']}: the simulated node's, not this machine's",
+            "disk_bytes": "0: none",
+            "remote_bytes": "0: none",
+        },
+    )
+    add_table_arguments(
+        parser,
+        "scheduling",
+        skip=("kv_cache_bytes", "max_model_len"),  # --device-kv-bytes; the model's context
+        defaults={
+            "max_num_seqs": str(DEFAULTS["max_num_seqs"]),
+            "max_num_batched_tokens": str(DEFAULTS["max_num_batched_tokens"]),
+        },
+        aliases={
+            "max_num_batched_tokens": "--max-batched-tokens",
+            "session_resume_after_s": "--resume-after",
+        },
+    )
+    add_table_arguments(parser, "policy", skip=("name",))  # --policies names the runs
     sw = parser.add_argument_group("sweep")
     sw.add_argument("--resume-shares", default="0.2,0.8", help="share of returns that pause")
     sw.add_argument("--contexts", default="4000,32000", help="document tokens per session")
@@ -289,9 +288,10 @@ def _settle(args: argparse.Namespace) -> dict[str, Any] | None:
             for key, value in setup_from(measured.get("config"), args.against).items()
             if getattr(args, key) is None
         }
+    configured = _configured(args)
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
-            setattr(args, key, taken.get(key, default))
+            setattr(args, key, taken.get(key, configured.get(key, default)))
     if measured is not None:
         problem = other_workload(args.workload, args.seed, measured.get("config"))
         if problem:
@@ -303,6 +303,25 @@ def _settle(args: argparse.Namespace) -> dict[str, Any] | None:
         flags = " ".join(filter(None, (_flag(key, value) for key, value in taken.items())))
         print(f"set up like {args.against}: {flags}")
     return measured
+
+
+def _configured(args: argparse.Namespace) -> dict[str, Any]:
+    """The set-up keys the config file, the environment or --tiers-set / --scheduling-set give
+    (the flags themselves are on `args` already), as DEFAULTS' keys."""
+    from kvtier.settings.flags import from_args
+    from kvtier.settings.load import DEFAULT_ORIGIN
+
+    settings = from_args(args, ("tiers", "scheduling", "policy"))
+    if args.write_through == "selective" or settings.given.get("tiers.write_through") == (
+        "selective"
+    ):
+        raise KvtierError("simulate models write_through true or false, not 'selective'")
+    configured = {}
+    for key in DEFAULTS:
+        for table in ("tiers", "scheduling"):
+            if settings.origin(table, key) != DEFAULT_ORIGIN:
+                configured[key] = settings.given[f"{table}.{key}"]
+    return configured
 
 
 def _flag(key: str, value: Any) -> str:
@@ -350,9 +369,9 @@ def _requests(args: argparse.Namespace) -> list[Request]:
 
 def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
     from kvtier.plan.geometry import load_geometry
-    from kvtier.plan.units import parse_size
     from kvtier.sim.deployment import Deployment
     from kvtier.sim.profile import load_profile, profile_origin
+    from kvtier.units import parse_size
 
     profile = load_profile(hardware)
     origin = profile_origin(hardware)
@@ -368,8 +387,9 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         profile = profile.with_links(links)
     sizes = {}
     for tier in ("host", "disk", "remote"):
-        text = getattr(args, f"{tier}_bytes").strip()
-        sizes[tier] = 0 if text == "0" else parse_size(text)
+        value = getattr(args, f"{tier}_bytes")
+        text = str(value).strip()
+        sizes[tier] = value if isinstance(value, int) else 0 if text == "0" else parse_size(text)
     return Deployment(
         profile=profile,
         geometry=load_geometry(args.model),
@@ -380,7 +400,7 @@ def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:
         chunk_tokens=args.chunk_tokens,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_num_batched_tokens,
-        resume_after_s=args.resume_after,
+        resume_after_s=args.session_resume_after_s,
         timer_after_steps=args.timer_after_steps,
         write_through=args.write_through,
         keep_moved=args.keep_moved,
@@ -400,21 +420,14 @@ def _forms_line(forms: dict[str, dict[str, float]]) -> str:
 
 
 def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
-    from kvtier.policy.config import CONFIG_ENV, load_config
+    from kvtier.settings.flags import from_args
 
-    path = args.config or os.environ.get(CONFIG_ENV)
-    settings = list(args.policy_set)
-    if args.max_accuracy_loss is not None:
-        settings.append(f"max_accuracy_loss={args.max_accuracy_loss!r}")
-    if args.accuracy_file is not None:
-        settings.append(f"accuracy_file={json.dumps(args.accuracy_file)}")
-    config = load_config(path, env=os.environ, settings=settings, policy=name)
-    return config.for_model(args.model)
+    return from_args(args, ("policy",), policy_name=name).policy.for_model(args.model)
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from kvtier.plan.units import parse_token_counts
     from kvtier.sim.sweep import SweepGrid, markdown, run_sweep, write_sweep
+    from kvtier.units import parse_token_counts
 
     problem = f"--resume-shares takes numbers in [0, 1], not {args.resume_shares!r}"
     try:

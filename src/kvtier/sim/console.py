@@ -15,10 +15,10 @@ from typing import Any
 
 from kvtier.plan.kv_dtypes import get_kv_dtype
 from kvtier.plan.planner import weight_bytes
-from kvtier.plan.units import format_bytes, format_seconds
 from kvtier.results.records import STORE_TIERS, RequestRecord, RunRecords
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.step_model import StepModel
+from kvtier.units import format_bytes, format_seconds
 from kvtier.workload.model import Request
 
 OVERLOAD_RATIO = 1.5

@@ -68,7 +68,7 @@ from kvtier.sim.step_model import StepModel
 from kvtier.tiers.payload import Payload
 from kvtier.tiers.sized import SizeOnlyTier
 from kvtier.tiers.store import TieredStore
-from kvtier.tiers.vocab import FULL, lossiest
+from kvtier.vocab import FULL, lossiest
 from kvtier.workload.model import Request
 
 # How far a request's prefill may go: recomputed chunks with no load before them, then those

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.policy.view import ChunkView, SessionView, TurnView
 from kvtier.tiers.store import Chunk
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 if TYPE_CHECKING:
     from kvtier.workload.model import Request

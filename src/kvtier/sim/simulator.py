@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.bench.replay import next_arrivals
 from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.config import PolicyConfig
 from kvtier.policy.cost_model import CostProfile
@@ -37,6 +36,7 @@ from kvtier.sim.events import EventLoop
 from kvtier.sim.quiet_gc import relaxed_during_run
 from kvtier.sim.replica import Replica
 from kvtier.sim.step_model import StepModel
+from kvtier.workload.arrivals import next_arrivals
 from kvtier.workload.model import Request
 
 MAX_OCCUPANCY_SAMPLES = 1000  # thinned evenly beyond this, to keep result files small

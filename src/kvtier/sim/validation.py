@@ -186,7 +186,7 @@ def setup_from(measured: Any, results: str | Path) -> dict[str, Any]:
         "chunk_tokens": tiers.get("chunk_tokens", 256),
         "max_num_seqs": engine.get("max_num_seqs"),
         "max_num_batched_tokens": engine.get("max_num_batched_tokens"),
-        "resume_after": engine.get("session_resume_after_s"),
+        "session_resume_after_s": engine.get("session_resume_after_s"),
         "write_through": tiers.get("write_through", False),
         "keep_moved": tiers.get("keep_moved", False),
         "timer_after_steps": True,
@@ -202,8 +202,8 @@ def setup_from(measured: Any, results: str | Path) -> dict[str, Any]:
     }
     kinds = {
         "model": str, "chunk_tokens": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-        "resume_after": int | float, "write_through": bool, "keep_moved": bool, "workload": str,
-        "seed": int,
+        "session_resume_after_s": int | float, "write_through": bool, "keep_moved": bool,
+        "workload": str, "seed": int,
     }  # fmt: skip
     for key, kind in kinds.items():
         value = setup[key]

@@ -103,7 +103,7 @@ from kvtier.tiers.crypto import (
     Unsealing,
 )
 from kvtier.tiers.payload import BytesLike, Payload, as_buffer, empty_bytes
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 MAGIC = b"KVTR"
 VERSION = 1

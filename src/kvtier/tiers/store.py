@@ -39,7 +39,7 @@ import torch
 from kvtier.tiers.base import EvictListener, TierBackend
 from kvtier.tiers.histogram import LatencyHistogram
 from kvtier.tiers.payload import Payload
-from kvtier.tiers.vocab import lossiest
+from kvtier.vocab import lossiest
 
 log = logging.getLogger(__name__)
 

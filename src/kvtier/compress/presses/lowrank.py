@@ -3,7 +3,7 @@
 ASVD (Yuan et al. 2023, arXiv:2312.05821) and Palu (Chang et al. 2024, arXiv:2407.21118)
 store the KV cache as low-rank coefficients; the bases here are a PCA of calibration KV
 (`kvtier.compress.lowrank`), fitted before the engine builds the press
-(`kvtier.calibration.lowrank`). The press keeps every token and every head; what it removes is
+(`kvtier.lowrank.bases`). The press keeps every token and every head; what it removes is
 dimensions: rank r of a `width`-wide group keeps r / width of the bytes (`ratio` is the share
 removed, as for the other presses, or give `rank`).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from kvtier.tiers.vocab import FULL
+from kvtier.vocab import FULL
 
 
 class _AllFull:

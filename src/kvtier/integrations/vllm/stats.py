@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.tiers.vocab import SOURCES
+from kvtier.vocab import SOURCES
 
 _COUNTERS = (
     "restored_chunks",

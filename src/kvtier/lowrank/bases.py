@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from kvtier.calibration.lowrank_fit import calibration_text, calibration_tokens, fit_basis
 from kvtier.compress.config import CompressionConfig
 from kvtier.compress.fitted_bases import LowRankFit, has_basis, provide_basis
 from kvtier.compress.lowrank import LowRankBasis, load_basis, save_basis
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.engine import default_namespace
 from kvtier.engine.llama import LlamaConfig
+from kvtier.lowrank.fit import calibration_text, calibration_tokens, fit_basis
 from kvtier.models.resolve import resolve_model_dir
 from kvtier.paths import cache_dir
 

@@ -1,4 +1,5 @@
-"""ServerConfig: tenants (API keys, quotas), limits and names, from TOML and/or CLI flags.
+"""ServerConfig: the `[server]` table of `kvtier serve`: tenants (API keys, quotas), limits
+and names.
 
 TOML (the `[server]` table of a kvtier config file)::
 

@@ -31,6 +31,7 @@ def lossiest(*forms: str) -> str:
     """The least precise of `forms` (FULL when none are given)."""
     return min(forms, key=FORM_PRECISION.__getitem__, default=FULL)
 
+
 # The disk tier's implementations (`tiers.factory.DISK_BACKENDS` builds them), named here so
 # settings can be checked without importing the backends.
 DISK_BACKEND_NAMES = ("segments", "mmap")
