@@ -16,6 +16,7 @@ from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.kv_pool import KVPool
 from kvtier.engine.prefault import Prefaulter, page_span
 from kvtier.server import command
+from kvtier.settings.load import CONFIG_ENV
 
 MIB = 1 << 20
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux")
@@ -113,7 +114,7 @@ def test_engine_output_is_the_same_with_the_prefault_running():
 
 def test_serve_flag_reaches_the_engine(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./kvtier.toml
-    monkeypatch.delenv(command.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     assert parser.parse_args([]).prefault_kv_pool is None  # EngineConfig's default: on

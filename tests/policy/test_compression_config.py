@@ -9,7 +9,8 @@ import pytest
 
 from kvtier.compress import CompressionConfig, PressSpec, parse_method
 from kvtier.errors import KvtierError
-from kvtier.policy.config import load_compression, load_config
+from kvtier.policy.config import load_config
+from kvtier.settings.compression import load_compression
 
 PIPELINE = """
 [policy]

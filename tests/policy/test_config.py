@@ -12,8 +12,6 @@ import pytest
 from kvtier.errors import KvtierError
 from kvtier.policy import registry
 from kvtier.policy.config import (
-    add_arguments,
-    config_from_args,
     load_config,
     parse_request_overrides,
 )
@@ -22,9 +20,10 @@ from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.offload import OffloadPolicy
 from kvtier.policy.registry import POLICIES, build_policy
 from kvtier.policy.ttl import TtlPolicy
+from kvtier.settings.flags import add_config_argument, add_table_arguments, from_args
 
 SAMPLE = """
-[engine]            # other parts' sections are not ours to check
+[scheduling]        # another table of the same file
 block_size = 16
 
 [policy]
@@ -93,8 +92,8 @@ def test_environment_overrides_file_and_flags_override_environment(toml):
 
 def test_command_line_wiring(toml, monkeypatch):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    add_arguments(parser)
+    add_config_argument(parser)
+    add_table_arguments(parser, "policy")
     args = parser.parse_args(
         [
             "--config",
@@ -106,7 +105,7 @@ def test_command_line_wiring(toml, monkeypatch):
         ]
     )
     monkeypatch.delenv("KVTIER_POLICY__NAME", raising=False)
-    config = config_from_args(args)
+    config = from_args(args, ("policy",)).policy
     assert config.name == "retain" and config.ttl.seconds == {"device": 5}
 
 

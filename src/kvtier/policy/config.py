@@ -1,20 +1,18 @@
-"""Policy configuration: the `[policy]` table of kvtier.toml, then `KVTIER_POLICY__*`
-environment variables, then command-line flags, each later source overriding the earlier ones,
-validated in one place with errors that name the key, where it came from and what is allowed.
+"""The `[policy]` table: its typed model (PolicyConfig and its sections, pydantic) and its
+merge, the file's table, then `KVTIER_POLICY__*` environment variables, then `KEY=VALUE`
+settings and the policy's name, validated in one place with errors that name the key, where it
+came from and what is allowed. `kvtier.settings` calls it with every command's sources.
 
 Environment variables spell the key path in capitals with `__` between levels:
-`KVTIER_POLICY__NAME=offload`, `KVTIER_POLICY__COST__HORIZON_S=10`. Flags: `--policy NAME` and
-`--policy-set KEY=VALUE` (repeatable, KEY relative to [policy], e.g. `ttl.seconds.device=30`).
-Values in both are read as TOML values (`10`, `true`, `{device = 30}`), else as strings.
-docs/policy.md has a sample file and every key.
+`KVTIER_POLICY__NAME=offload`, `KVTIER_POLICY__COST__HORIZON_S=10`. Values are read as TOML
+values (`10`, `true`, `{device = 30}`), else as strings. docs/reference/config.md has every
+key.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -48,8 +46,6 @@ from kvtier.policy.ttl import DEFAULT_TTL_S
 from kvtier.toml_table import read_table, setting_value
 
 ENV_PREFIX = "KVTIER_POLICY__"
-CONFIG_ENV = "KVTIER_CONFIG"  # path of kvtier.toml when no flag gives one
-DEFAULT_FILE = "kvtier.toml"
 
 TierName = Literal["device", "host", "disk", "remote"]
 LowerTier = Literal["host", "disk", "remote"]
@@ -366,36 +362,6 @@ def load_config_traced(
     return config, {".".join(keys): label for keys, label in source.items()}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("retention policy")
-    group.add_argument(
-        "--policy",
-        metavar="NAME",
-        help="retain, recompute, offload, ttl, cost, an installed plugin or module:Class",
-    )
-    group.add_argument(
-        "--policy-set",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="set a [policy] key, e.g. cost.horizon_s=10 (repeatable)",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> PolicyConfig:
-    """The command's policy configuration: the file from `--config` (if the command has one),
-    else $KVTIER_CONFIG, else ./kvtier.toml when present; then the environment and flags."""
-    path = getattr(args, "config", None) or os.environ.get(CONFIG_ENV)
-    if path is None and Path(DEFAULT_FILE).is_file():
-        path = DEFAULT_FILE
-    return load_config(
-        path,
-        env=os.environ,
-        settings=getattr(args, "policy_set", []),
-        policy=getattr(args, "policy", None),
-    )
-
-
 def _merge(
     into: dict[str, Any],
     source: dict[tuple[str, ...], str],
@@ -456,83 +422,3 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[str, ...]) -> list[str]:
             return []
         model = annotation
     return list(model.model_fields)
-
-
-# ----- [compression]: the KV compression pipeline, configured beside the policy ------------
-
-
-class CompressionSection(_Section):
-    """The `[compression]` table of kvtier.toml: `preset` (a scenario preset of
-    kvtier.compress.presets, "full" or "auto") or `presses` (a pipeline, in order: tables of
-    name, ratio or keep_tokens, options), not both; neither means no compression."""
-
-    preset: str | None = Field(
-        None,
-        description='a scenario preset ([compression.md](../compression.md)), "full" or "auto"',
-    )
-    presses: list[dict[str, Any]] | None = Field(
-        None,
-        description="a pipeline, in order: tables of `name`, `ratio` or `keep_tokens`, `options`",
-    )
-
-    @model_validator(mode="after")
-    def _one_pipeline(self) -> CompressionSection:
-        from kvtier.compress.config import PressSpec
-        from kvtier.compress.presets import PRESETS
-
-        if self.preset is not None and self.presses is not None:
-            raise ValueError("give either preset or presses, not both")
-        if self.preset is not None and self.preset not in (*PRESETS, "full", "auto"):
-            raise ValueError(
-                f"unknown preset {self.preset!r}; choose one of "
-                f"{', '.join((*PRESETS, 'full', 'auto'))}"
-            )
-        if self.presses is not None and not self.presses:
-            raise ValueError("presses is empty: list at least one press, or leave it out")
-        for index, press in enumerate(self.presses or []):
-            try:
-                PressSpec(**press)
-            except KvtierError as exc:
-                raise ValueError(f"presses[{index}]: {exc}") from None
-        return self
-
-    @property
-    def is_auto(self) -> bool:
-        return self.preset == "auto"
-
-    def build(self, auto: Any = None) -> Any:
-        """The pipeline for `EngineConfig.compression` (a CompressionConfig, or None for no
-        compression). `auto` is `kvtier.compress.auto`'s AutoChoice for preset "auto": only a
-        command that knows its workload can supply it."""
-        from kvtier.compress import CompressionConfig, PressSpec, parse_method
-
-        if self.presses is not None:
-            return CompressionConfig(presses=[PressSpec(**press) for press in self.presses])
-        if self.is_auto:
-            if auto is None:
-                raise KvtierError(
-                    '[compression] preset = "auto" picks by observed workload, which this '
-                    "command does not see; name a preset or list presses (kvtier bench "
-                    "resolves auto from the workload it replays)"
-                )
-            return parse_method(auto.method)
-        return None if self.preset is None else parse_method(self.preset)
-
-
-def load_compression(path: str | Path | None) -> CompressionSection:
-    """The `[compression]` table of the config file at `path`, validated (empty: no file,
-    or no table)."""
-    table = {} if path is None else read_table(path, "compression")
-    try:
-        return CompressionSection.model_validate(table)
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            key = ".".join(("compression", *(str(p) for p in error["loc"])))
-            message = str(error["msg"]).removeprefix("Value error, ")
-            if error["type"] == "extra_forbidden":
-                message = "unknown key; allowed here: preset, presses"
-            lines.append(f"{key}: {message}")
-        raise KvtierError(
-            f"invalid compression configuration in {path}: " + "; ".join(lines)
-        ) from None

@@ -86,7 +86,7 @@ TABLES: dict[str, Table] = {
             "compression",
             "the KV compression pipeline",
             "`kvtier serve`, `bench`, `config show`",
-            "kvtier.policy.config:CompressionSection",
+            "kvtier.settings.compression:CompressionSection",
         ),
         Table(
             "scheduling",

@@ -99,10 +99,14 @@ def flag_values(args: argparse.Namespace, table: str) -> dict[str, Any]:
 
 
 def from_args(
-    args: argparse.Namespace, tables: Sequence[str], *, policy_name: str | None = None
+    args: argparse.Namespace,
+    tables: Sequence[str],
+    *,
+    policy_name: str | None = None,
+    engine_tiers: bool = True,
 ) -> Settings:
     """The effective settings of a command whose parser has `tables`' groups (`policy_name`:
-    the policy a run is for, over --policy)."""
+    the policy a run is for, over --policy; `engine_tiers`: see `load_settings`)."""
     # imported here: the loader validates [policy], whose model loads numba kernels
     from kvtier.settings.load import config_path, load_settings
 
@@ -111,6 +115,7 @@ def from_args(
         sets={table: getattr(args, f"{table}_set", None) or [] for table in tables},
         flags={table: flag_values(args, table) for table in tables},
         policy_name=policy_name or getattr(args, "policy", None),
+        engine_tiers=engine_tiers,
     )
 
 

@@ -21,18 +21,15 @@ from typing import Any
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.tiers_file import build_tiers, unknown_key
 from kvtier.errors import KvtierError
-from kvtier.policy.config import (
-    CONFIG_ENV,
-    DEFAULT_FILE,
-    CompressionSection,
-    PolicyConfig,
-    load_config_traced,
-)
+from kvtier.policy.config import PolicyConfig, load_config_traced
 from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
+from kvtier.settings.compression import CompressionSection
 from kvtier.settings.server import ServerConfig, tenant_from_mapping
 from kvtier.toml_table import setting_value
 from kvtier.units import parse_size
 
+CONFIG_ENV = "KVTIER_CONFIG"  # the file when no --config is given
+DEFAULT_FILE = "kvtier.toml"  # ... and when that is not set either, if it exists here
 FLAT_TABLES = ("tiers", "scheduling", "server", "compression")
 DEFAULT_ORIGIN = "default"
 
@@ -74,10 +71,12 @@ def load_settings(
     sets: Mapping[str, Sequence[str]] | None = None,
     flags: Mapping[str, Mapping[str, Any]] | None = None,
     policy_name: str | None = None,
+    engine_tiers: bool = True,
 ) -> Settings:
     """Merge the sources of every table (see the module doc) and validate each. `sets`:
     table -> its `--<table>-set KEY=VALUE` settings; `flags`: table -> key -> value of its
-    dedicated flags (None: not given)."""
+    dedicated flags (None: not given). `engine_tiers` False leaves `tiers` None, the [tiers]
+    values only merged: the simulator models tiers by size, with no folder or URL to check."""
     env = os.environ if env is None else env
     inline, sets, flags = inline or {}, sets or {}, flags or {}
     file_tables = _read_file(path) if path is not None else {}
@@ -129,7 +128,7 @@ def load_settings(
     }
     return Settings(
         path=path,
-        tiers=build_tiers(values["tiers"], tier_origins),
+        tiers=build_tiers(values["tiers"], tier_origins) if engine_tiers else None,
         policy=policy,
         compression=_compression(values["compression"], origins),
         scheduling=_scheduling(values["scheduling"], origins),

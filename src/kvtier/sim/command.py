@@ -311,7 +311,7 @@ def _configured(args: argparse.Namespace) -> dict[str, Any]:
     from kvtier.settings.flags import from_args
     from kvtier.settings.load import DEFAULT_ORIGIN
 
-    settings = from_args(args, ("tiers", "scheduling", "policy"))
+    settings = from_args(args, ("tiers", "scheduling", "policy"), engine_tiers=False)
     if args.write_through == "selective" or settings.given.get("tiers.write_through") == (
         "selective"
     ):
@@ -422,7 +422,8 @@ def _forms_line(forms: dict[str, dict[str, float]]) -> str:
 def _policy_config(args: argparse.Namespace, name: str) -> PolicyConfig:
     from kvtier.settings.flags import from_args
 
-    return from_args(args, ("policy",), policy_name=name).policy.for_model(args.model)
+    settings = from_args(args, ("policy",), policy_name=name, engine_tiers=False)
+    return settings.policy.for_model(args.model)
 
 
 def _sweep(args: argparse.Namespace) -> int:
