@@ -98,13 +98,13 @@ def test_every_quickstart_command_is_run_by_this_test() -> None:
 def test_the_toml_of_the_quick_start_is_the_serve_flags() -> None:
     """The page says the `kvtier serve` flags 'fit in a kvtier.toml': the same tiers, the
     same policy."""
-    from kvtier.cache.tiers_file import build_tiers
+    from kvtier.cache.tiers_file import tiers_from_table
     from kvtier.policy.config import PolicyConfig
 
     (text,) = blocks("toml")
     table = tomllib.loads(text)
-    from_file = build_tiers(table["tiers"])
-    from_flags = build_tiers({"host_bytes": "1GiB", "disk_dir": "out/kv-cache"})
+    from_file = tiers_from_table(table["tiers"])
+    from_flags = tiers_from_table({"host_bytes": "1GiB", "disk_dir": "out/kv-cache"})
     assert from_file == from_flags
     assert from_file.host_bytes == 1 << 30 and from_file.disk_persist
     assert PolicyConfig(**table["policy"]).name == "cost"

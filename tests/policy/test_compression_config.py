@@ -10,7 +10,13 @@ import pytest
 from kvtier.compress import CompressionConfig, PressSpec, parse_method
 from kvtier.errors import KvtierError
 from kvtier.policy.config import load_config
-from kvtier.settings.compression import load_compression
+from kvtier.settings.load import load_settings
+
+
+def load_compression(path):
+    """The [compression] table of the file at `path` as every command reads it."""
+    return load_settings(None if path is None else str(path), env={}).compression
+
 
 PIPELINE = """
 [policy]
@@ -63,7 +69,7 @@ def test_no_table_no_presses_or_full_means_no_compression(toml, text):
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ('preset = "fastest"', "compression: unknown preset 'fastest'; choose one of"),
+        ('preset = "fastest"', "compression.preset (from {path}): unknown preset 'fastest'; "),
         (
             'preset = "edge_device"\npresses = [{ name = "tova", ratio = 0.5 }]',
             "give either preset or presses, not both",
@@ -75,14 +81,14 @@ def test_no_table_no_presses_or_full_means_no_compression(toml, text):
         ),
         ('presses = [{ name = "tova", budget = 3 }]', "presses[0]: budget: Extra inputs"),
         ("presses = []", "presses is empty"),
-        ('presets = "edge_device"', "compression.presets: unknown key; allowed here: preset"),
+        ('presets = "edge_device"', "compression.presets (from {path}): unknown key; did you "),
     ],
 )
 def test_bad_tables_are_clear_errors(toml, table, message):
     path = toml(f"[compression]\n{table}\n")
     with pytest.raises(KvtierError) as caught:
         load_compression(path)
-    assert message in str(caught.value)
+    assert message.format(path=path) in str(caught.value)
     assert str(path) in str(caught.value)
 
 

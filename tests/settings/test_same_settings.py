@@ -174,3 +174,25 @@ def test_one_default_per_setting():
 
     assert TiersConfig().host_bytes == default_host_bytes()
     assert load_settings(None, env={}).tiers.host_bytes == default_host_bytes()
+
+
+def test_a_policy_with_every_tier_off_is_said_not_dropped(tmp_path):
+    from kvtier.settings.load import load_settings
+
+    quiet = load_settings(None, env={}, flags={"tiers": {"host_bytes": "0"}})
+    assert quiet.tiers is None and quiet.warnings() == []  # nothing asked for: nothing said
+    told = load_settings(None, env={}, flags={"tiers": {"host_bytes": "0"}}, policy_name="cost")
+    assert told.tiers is None
+    assert "every tier is off" in told.warnings()[0] and "--policy" in told.warnings()[0]
+    # kvtier serve says it on stderr as it starts (stopped before the model has loaded)
+    serve = subprocess.Popen(
+        [str(Path(sys.executable).with_name("kvtier")), "serve", "--host-bytes", "0",
+         "--policy", "offload", "--port", "0"],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        first = serve.stderr.readline()
+    finally:
+        serve.kill()
+        serve.wait()
+    assert first.startswith("kvtier: warning: every tier is off")

@@ -10,7 +10,7 @@ import torch
 from kvtier.cache import TiersConfig
 from kvtier.errors import KvtierError
 from kvtier.tiers import Payload
-from kvtier.tiers.factory import build_tiers
+from kvtier.tiers.factory import build_backends
 from kvtier.tiers.mmap_file import MmapFileTier
 
 
@@ -63,7 +63,7 @@ def test_close_removes_only_its_own_folder(tmp_path):
 
 def test_configuration_selects_it_and_refuses_what_it_cannot_do(tmp_path):
     config = TiersConfig(host_bytes=0, disk_dir=tmp_path, disk_bytes=1 << 20, disk_backend="mmap")
-    (tier,) = build_tiers(config.storage())
+    (tier,) = build_backends(config.storage())
     assert isinstance(tier, MmapFileTier) and tier.name == "disk"
     tier.close()
     with pytest.raises(KvtierError, match="neither encrypts nor persists"):

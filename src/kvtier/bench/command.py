@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     engines.validate_policies(names)
     setup = run_settings(args)
     settings = setup.settings
+    for warning in settings.warnings():
+        print(f"kvtier: warning: {warning}", file=sys.stderr, flush=True)
     # each policy's defaults unless a [policy] key was given somewhere
     given_policy = any(key.startswith("policy.") for key in settings.origins)
     policy_config = settings.policy if given_policy else None

@@ -23,31 +23,6 @@ def validate_policies(names: Sequence[str]) -> None:
         resolve_policy(name)
 
 
-def tiers_config(
-    host_bytes: int,
-    disk_bytes: int,
-    disk_dir: str | None,
-    write_through: bool | str = False,
-    restore_pipeline: str = "chunk",
-    keep_moved: bool = False,
-) -> TiersConfig | None:
-    """The engine's tier settings (None: device only)."""
-    if host_bytes <= 0 and disk_bytes <= 0:
-        return None
-    from kvtier.cache.config import TiersConfig
-
-    if disk_bytes and not disk_dir:
-        raise KvtierError("--disk-bytes needs --disk-path (the disk tier's folder)")
-    return TiersConfig(
-        host_bytes=host_bytes,
-        disk_bytes=disk_bytes,
-        disk_dir=disk_dir,
-        write_through=write_through,
-        keep_moved=keep_moved,
-        restore_pipeline=restore_pipeline,  # type: ignore[arg-type]  # argparse's choices
-    )
-
-
 def build(
     base: Mapping[str, Any],
     policy: str,

@@ -312,7 +312,7 @@ class TiersConfig:
         self._check_integrity()
 
     def storage(self, host_slot_bytes: int | None = None, layered: bool = False) -> StorageConfig:
-        """What `kvtier.tiers.factory.build_tiers` needs to build these tiers (`layered`:
+        """What `kvtier.tiers.factory.build_backends` needs to build these tiers (`layered`:
         disk and Redis write layered records, for a pipelined restore)."""
         from kvtier.tiers.factory import StorageConfig  # the backends: torch, redis
 

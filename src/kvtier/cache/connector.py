@@ -3,7 +3,7 @@
 It implements the engine's connector contract (`kvtier.engine.connector.KVConnector`) by
 putting together parts that each have one job:
 
-- `kvtier.tiers.factory.build_tiers` builds the tiers; a `TieredStore` indexes them and a
+- `kvtier.tiers.factory.build_backends` builds the tiers; a `TieredStore` indexes them and a
   `Mover` runs their I/O on worker threads (`cache/writes.py` tracks writes in flight);
 - `cache/chunks.py`: the chunk grid and where each chunk is;
 - `cache/restore.py`: a resumed prompt's chunks found, planned, prefetched and loaded into
@@ -42,7 +42,7 @@ from kvtier.engine.connector import EngineContext
 from kvtier.engine.request import Request
 from kvtier.errors import KvtierError
 from kvtier.tiers import Mover, Payload, TieredStore
-from kvtier.tiers.factory import build_tiers
+from kvtier.tiers.factory import build_backends
 from kvtier.vocab import DISK, HOST, SOURCES
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class TieredConnector:
         layered = config.restore_pipeline == "layer" and context.layer_hook
         if config.restore_pipeline == "layer" and not layered:
             log.info("restore_pipeline='layer': this engine restores whole chunks (no layer hook)")
-        tiers = build_tiers(config.storage(host_slot_bytes=slot, layered=layered))
+        tiers = build_backends(config.storage(host_slot_bytes=slot, layered=layered))
         # tier -> the quantized form its chunks are stored in (the worker encodes on the way in)
         self.tier_forms = {t.name: forms[t.name] for t in tiers if forms[t.name] != FULL}
         names = {t.name for t in tiers}
@@ -125,9 +125,7 @@ class TieredConnector:
         # the INT4 decode's kernels compile (or load) in the background before a restore needs them
         self.chunk_forms.prepare({*self.tier_forms.values(), *self.runner.allowed_forms})
         spill = config.spill_on_evict
-        spill_on_evict = (
-            spill if spill is not None else self.runner.policy_name not in ("retain", "recompute")
-        )
+        spill_on_evict = spill if spill is not None else self.runner.policy.spills_on_evict
         self.spiller = Spiller(self.chunks, spill_on_evict, config.write_through, self.counters)
         self.restorer = Restorer(
             config,

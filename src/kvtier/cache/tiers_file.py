@@ -1,6 +1,6 @@
 """The `[tiers]` table -> `TiersConfig`: sizes parsed, the disk tier's defaults taken from its
 filesystem, the master key read from its file. `kvtier.settings` merges the table's sources
-(file, environment, flags) and calls `build_tiers`. Keys are TiersConfig's settings (their
+(file, environment, flags) and calls `tiers_from_table`. Keys are TiersConfig's settings (their
 `key` where it differs: the remote tier is `remote_*`, the table names tiers, not products),
 and the master key comes from a file::
 
@@ -74,7 +74,7 @@ def table_keys() -> list[str]:
     return sorted([*_field_of_key(), *KEY_FILE_SETTINGS])
 
 
-def build_tiers(
+def tiers_from_table(
     table: Mapping[str, Any], source: Mapping[str, str] | None = None
 ) -> TiersConfig | None:
     """A TiersConfig from table keys and values (None: every tier off)."""

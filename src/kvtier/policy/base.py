@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 class RetentionPolicy(ABC):
     name: ClassVar[str] = ""
+    # Whether blocks the device pool evicts are worth copying into a tier first (the default
+    # of `tiers.spill_on_evict`, in the engine and the simulator alike): False for a policy
+    # that never reads a tier, so a spill would only cost a copy.
+    spills_on_evict: ClassVar[bool] = True
 
     @abstractmethod
     def decide(self, view: PolicyView, now: float) -> list[Action]:

@@ -16,6 +16,7 @@ class RecomputePolicy(RetentionPolicy):
     (Gao et al., USENIX ATC'24) measures against."""
 
     name = "recompute"
+    spills_on_evict = False  # it never reads a tier
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         sessions = sorted(view.candidates(now), key=lambda s: s.session_id)

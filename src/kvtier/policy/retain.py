@@ -20,6 +20,7 @@ class RetainPolicy(RetentionPolicy):
     """
 
     name = "retain"
+    spills_on_evict = False  # it never reads a tier
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         if view.tier("device") is None:

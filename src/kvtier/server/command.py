@@ -181,6 +181,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     cache = None
     if settings.tiers is not None:
         cache = CacheConfig(settings.tiers, settings.policy.name, settings.policy)
+    for warning in settings.warnings():
+        print(f"kvtier: warning: {warning}", file=sys.stderr, flush=True)
     return build_stack(config, cache)
 
 

@@ -152,8 +152,8 @@ def _pydantic_settings(table: str, model: type[BaseModel], prefix: str) -> Itera
 def _kind(annotation: Any) -> str:
     text = str(annotation)
     for word, kind in (
-        ("dict", "table"),
         ("list", "list"),
+        ("dict", "table"),
         ("bool", "bool"),
         ("int", "int"),
         ("float", "number"),

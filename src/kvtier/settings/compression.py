@@ -3,13 +3,11 @@ gets, a preset or a list of presses (kvtier.compress builds it)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvtier.errors import KvtierError
-from kvtier.toml_table import read_table
 
 
 class CompressionSection(BaseModel):
@@ -70,22 +68,3 @@ class CompressionSection(BaseModel):
                 )
             return parse_method(auto.method)
         return None if self.preset is None else parse_method(self.preset)
-
-
-def load_compression(path: str | Path | None) -> CompressionSection:
-    """The `[compression]` table of the config file at `path`, validated (empty: no file,
-    or no table)."""
-    table = {} if path is None else read_table(path, "compression")
-    try:
-        return CompressionSection.model_validate(table)
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            key = ".".join(("compression", *(str(p) for p in error["loc"])))
-            message = str(error["msg"]).removeprefix("Value error, ")
-            if error["type"] == "extra_forbidden":
-                message = "unknown key; allowed here: preset, presses"
-            lines.append(f"{key}: {message}")
-        raise KvtierError(
-            f"invalid compression configuration in {path}: " + "; ".join(lines)
-        ) from None

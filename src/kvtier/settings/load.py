@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cache.config import TiersConfig
-from kvtier.cache.tiers_file import build_tiers, unknown_key
+from kvtier.cache.tiers_file import tiers_from_table, unknown_key
 from kvtier.errors import KvtierError
 from kvtier.policy.config import PolicyConfig, load_config_traced
 from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
@@ -49,6 +49,18 @@ class Settings:
     origins: dict[str, str] = field(default_factory=dict)
     # the values as given, per flat table ("table.key" -> value), for `kvtier config show`
     given: dict[str, Any] = field(default_factory=dict)
+
+    def warnings(self) -> list[str]:
+        """What is configured but will not act, in words a command prints at start."""
+        policy_given = [key for key in self.origins if key.startswith("policy.")]
+        if self.tiers is None and policy_given:
+            origin = self.origins[policy_given[0]]
+            return [
+                "every tier is off (host_bytes 0, no disk_dir, no remote_url): the engine runs "
+                f"on its device pool alone, and the [policy] settings (from {origin}) have "
+                "nothing to place KV in"
+            ]
+        return []
 
     def origin(self, table: str, key: str) -> str:
         return self.origins.get(f"{table}.{key}", DEFAULT_ORIGIN)
@@ -128,7 +140,7 @@ def load_settings(
     }
     return Settings(
         path=path,
-        tiers=build_tiers(values["tiers"], tier_origins) if engine_tiers else None,
+        tiers=tiers_from_table(values["tiers"], tier_origins) if engine_tiers else None,
         policy=policy,
         compression=_compression(values["compression"], origins),
         scheduling=_scheduling(values["scheduling"], origins),
@@ -210,7 +222,8 @@ def _compression(given: Mapping[str, Any], origins: Mapping[str, str]) -> Compre
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            key = str(error["loc"][0]) if error["loc"] else "preset"
+            # a check of the whole table names the first key given
+            key = str(error["loc"][0]) if error["loc"] else next(iter(given), "preset")
             message = str(error["msg"]).removeprefix("Value error, ")
             lines.append(f"{_where('compression', key, origins)}: {message}")
         raise KvtierError("invalid compression configuration: " + "; ".join(lines)) from None

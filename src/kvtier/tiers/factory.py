@@ -1,4 +1,4 @@
-"""build_tiers: the tier backends a storage configuration names, fastest first.
+"""build_backends: the tier backends a storage configuration names, fastest first.
 
 Kept beside the backends (as LMCache keeps its backend factory), so a new tier is its own
 module plus one branch here. The key handling lives here too: one master key seals disk and
@@ -46,30 +46,31 @@ DISK_BACKENDS: dict[str, Callable[[StorageConfig, Sealer | None], TierBackend]] 
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """Where the tiers are and how big; a zero budget or no location leaves a tier out.
+    """Where the tiers are and how big; a zero budget or no location leaves a tier out. Built
+    by `TiersConfig.storage()` alone: the settings' defaults live there, none here.
 
     `host_slot_bytes`: the host arena's slot (one block in the host's form, so a chunk of
     whole blocks wastes nothing). `key`: the master key; None with sealing or signing asked
     for means a random per-process key (nothing written survives the process)."""
 
-    host_bytes: int = 0
-    host_slot_bytes: int | None = None
-    disk_dir: str | Path | None = None
-    disk_bytes: int = 0
-    disk_persist: bool = False
-    disk_backend: str = "segments"
-    seal_disk: bool = False
-    redis_url: str | None = None
-    redis_bytes: int = 0
-    redis_prefix: str = "kvt"
-    redis_cluster: bool = False
-    redis_timeout_s: float = 0.25
-    remote_integrity: RemoteIntegrity = "none"
-    key: bytes | None = None
-    layered: bool = False  # disk segments and Redis write layered records (record.py)
+    host_bytes: int
+    host_slot_bytes: int | None
+    disk_dir: str | Path | None
+    disk_bytes: int
+    disk_persist: bool
+    disk_backend: str
+    seal_disk: bool
+    redis_url: str | None
+    redis_bytes: int
+    redis_prefix: str
+    redis_cluster: bool
+    redis_timeout_s: float
+    remote_integrity: RemoteIntegrity
+    key: bytes | None
+    layered: bool  # disk segments and Redis write layered records (record.py)
 
 
-def build_tiers(config: StorageConfig) -> list[TierBackend]:
+def build_backends(config: StorageConfig) -> list[TierBackend]:
     """The configured tiers, top first (host, disk, remote)."""
     c = config
     master = c.key or os.urandom(32)
