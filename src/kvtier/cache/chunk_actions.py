@@ -31,7 +31,7 @@ from kvtier.tiers import Chunk
 from kvtier.vocab import DEVICE
 
 if TYPE_CHECKING:
-    from kvtier.cache.connector import TieredConnector
+    from kvtier.cache.connector_parts import ConnectorParts
 
 ChunkKeys = tuple[bytes, ...]
 
@@ -64,7 +64,7 @@ class ConnectorChunks:
 
     def __init__(
         self,
-        connector: TieredConnector,
+        connector: ConnectorParts,
         sessions: Mapping[str, SessionKeys],
         holders: Counter[bytes],
     ) -> None:

@@ -35,7 +35,7 @@ from kvtier.tiers import Chunk
 from kvtier.vocab import DEVICE, FULL
 
 if TYPE_CHECKING:
-    from kvtier.cache.connector import TieredConnector
+    from kvtier.cache.connector_parts import ConnectorParts
     from kvtier.engine.sessions import TurnRecord
     from kvtier.policy.actions import Action
     from kvtier.policy.base import RetentionPolicy
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class PolicyRunner:
     def __init__(
         self,
-        connector: TieredConnector,
+        connector: ConnectorParts,
         policy: str | RetentionPolicy,
         config: PolicyConfig | None,
     ) -> None:
