@@ -90,7 +90,7 @@ def test_simulate_reads_the_same_values(config, capsys):
     deployment = command._deployment(args, "local-cpu")
     assert deployment.tier_bytes["host"] == 64 * MIB
     assert (deployment.chunk_tokens, deployment.max_num_seqs) == (64, 4)
-    assert deployment.max_batched_tokens == 256 and deployment.resume_after_s == 12.0
+    assert deployment.max_num_batched_tokens == 256 and deployment.session_resume_after_s == 12.0
     assert deployment.write_through is True and deployment.keep_moved is True
     policy = command._policy_config(args, "cost")  # each run names its policy
     assert (policy.name, policy.interval_s, policy.horizon_s) == ("cost", 2.0, 7.0)

@@ -33,7 +33,7 @@ class Chunks:
         tiers = [SizeOnlyTier(name, size) for name, size in deployment.tiers.items()]
         self.store = (
             TieredStore(
-                tiers, block_tokens=deployment.block_tokens, chunk_tokens=deployment.chunk_tokens
+                tiers, block_tokens=deployment.block_size, chunk_tokens=deployment.chunk_tokens
             )
             if tiers
             else None

@@ -65,9 +65,9 @@ def setup_lines(
         f"{d.gpus} x {d.profile.name}, {_count(d.replicas, 'replica')} of tensor parallel {d.tp}",
         f"  per replica: device KV pool {format_bytes(d.device_kv_bytes)} (weights "
         f"{format_bytes(weights)} per GPU); {tiers}",
-        f"  scheduler: {d.max_num_seqs:,} running requests, {d.max_batched_tokens:,} tokens per "
-        f"step, chunks of {d.chunk_tokens:,} tokens, resumed after {d.resume_after_s:g} s; "
-        + "; ".join(f"{k}: {v}" for k, v in toggles.items()),
+        f"  scheduler: {d.max_num_seqs:,} running requests, {d.max_num_batched_tokens:,} "
+        f"tokens per step, chunks of {d.chunk_tokens:,} tokens, resumed after "
+        f"{d.session_resume_after_s:g} s; " + "; ".join(f"{k}: {v}" for k, v in toggles.items()),
         f"  workload: {len(requests):,} requests in {sessions:,} conversations over "
         f"{format_seconds(_span(requests))}; policies: {', '.join(policies)}",
     ]
@@ -77,7 +77,7 @@ def load_of(run: RunRecords, requests: Sequence[Request], deployment: Deployment
     span = _span(requests)
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     model = StepModel(deployment.profile, deployment.geometry, deployment.tp)
-    batch = deployment.max_batched_tokens
+    batch = deployment.max_num_batched_tokens
     return Load(
         span_s=span,
         duration_s=run.duration_s,

@@ -30,11 +30,11 @@ class Deployment:
     tp: int = 0  # GPUs per replica; 0: all of them (one replica)
     device_kv_bytes: int = 0  # per replica; 0: vLLM's share of memory after the weights
     tier_bytes: dict[str, int] = field(default_factory=dict)  # host/disk/remote, per replica
-    block_tokens: int = 16  # device page
+    block_size: int = 16  # device page ([scheduling] block_size)
     chunk_tokens: int = 256  # unit of movement between tiers
     max_num_seqs: int = 256  # running requests per replica (vLLM's default)
-    max_batched_tokens: int = 8192  # tokens per step (decodes first, then prefill chunks)
-    resume_after_s: float = 30.0  # a longer gap makes a turn "resumed", not "continuing"
+    max_num_batched_tokens: int = 8192  # tokens per step (decodes first, then prefill chunks)
+    session_resume_after_s: float = 30.0  # a longer gap makes a turn "resumed", not "continuing"
     # Short of device memory, the engine asks the policy for the waiting request's need plus
     # this share of the pool, so that it is not back at the very next admission (each call
     # looks at every stored chunk).
@@ -69,15 +69,15 @@ class Deployment:
         missing = [t for t, size in self.tier_bytes.items() if size and t not in self.profile.links]
         if missing:
             raise KvtierError(f"hardware profile {self.profile.name} has no link for {missing}")
-        if self.chunk_tokens % self.block_tokens:
+        if self.chunk_tokens % self.block_size:
             raise KvtierError(
                 f"chunk tokens ({self.chunk_tokens}) must be a multiple of the block size "
-                f"({self.block_tokens})"
+                f"({self.block_size})"
             )
-        if not 1 <= self.max_num_seqs <= self.max_batched_tokens:
+        if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
             raise KvtierError(
-                f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_batched_tokens "
-                f"({self.max_batched_tokens}): every running decode gets a token each step"
+                f"need 1 <= max_num_seqs ({self.max_num_seqs}) <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running decode gets a token each step"
             )
         if not 0 <= self.pressure_headroom < 1:
             raise KvtierError(
@@ -113,7 +113,7 @@ class Deployment:
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of `tokens` tokens of KV in whole device pages (what a pool or a chunk holds)."""
-        return -(-tokens // self.block_tokens) * self.block_tokens * self.bytes_per_token
+        return -(-tokens // self.block_size) * self.block_size * self.bytes_per_token
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -129,11 +129,12 @@ class Deployment:
                 for tier, p in self.profile.tier_paths().items()
                 if tier in self.tiers
             },
-            "block_tokens": self.block_tokens,
+            # results.json keys (schema kvtier.results/1): the names the files have always had
+            "block_tokens": self.block_size,
             "chunk_tokens": self.chunk_tokens,
             "max_num_seqs": self.max_num_seqs,
-            "max_batched_tokens": self.max_batched_tokens,
-            "resume_after_s": self.resume_after_s,
+            "max_batched_tokens": self.max_num_batched_tokens,
+            "resume_after_s": self.session_resume_after_s,
             "pressure_headroom": self.pressure_headroom,
             "timer_after_steps": self.timer_after_steps,
             "write_through": self.write_through,

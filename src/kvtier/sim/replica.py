@@ -83,15 +83,13 @@ class Replica:
         self.pool = DevicePool(deployment.device_kv_bytes, deployment.keep_moved)
         self.chunks = Chunks(deployment, self.pool)
         self.links = Links(loop, deployment.tiers, model.paths)
-        # as the engine's connector: policies that never demote (retain, recompute) drop what
-        # leaves the device, so copying it would only cost writes
+        # the engine connector's rule: a policy that never reads a tier drops what leaves the
+        # device, so copying it would only cost writes
         write_through = (
-            deployment.write_through
-            and self.chunks.top_tier is not None
-            and policy.name not in ("retain", "recompute")
+            deployment.write_through and self.chunks.top_tier is not None and policy.spills_on_evict
         )
         self.spiller = Spiller(self.chunks, self.pool, self.links, write_through, self._kick)
-        self.prefixes = SharedPrefixes(deployment.block_tokens, histories)
+        self.prefixes = SharedPrefixes(deployment.block_size, histories)
         self.restorer = Restorer(
             loop,
             deployment,
@@ -205,7 +203,7 @@ class Replica:
         if not session.turns:
             return "new"
         gap = now - session.last_end
-        return "continuing" if gap <= self.deployment.resume_after_s else "resumed"
+        return "continuing" if gap <= self.deployment.session_resume_after_s else "resumed"
 
     def _too_large(self, r: SimRequest) -> str | None:
         context = r.prompt + r.output
@@ -234,7 +232,7 @@ class Replica:
         while True:
             self._admit()
             decodes = len(self.decoding)
-            budget = self.deployment.max_batched_tokens - decodes
+            budget = self.deployment.max_num_batched_tokens - decodes
             chunks: list[tuple[SimRequest, int, int]] = []
             for r in self.prefilling:
                 if budget <= 0:

@@ -84,7 +84,7 @@ class Restorer:
             # The device's prefix cache reuses whole blocks; a lower tier holds whole chunks
             # (its key names all of a chunk's blocks), so a prefix ending in a stored chunk
             # stops at that chunk's start.
-            chunk, block = self.deployment.chunk_tokens, self.deployment.block_tokens
+            chunk, block = self.deployment.chunk_tokens, self.deployment.block_size
             valid = valid // block * block
             index = valid // chunk
             if index < len(session.tiers) and session.tiers[index] != "device":
