@@ -31,7 +31,7 @@ every tier so it never picks between them (0 by default): a floor frees KV a ses
 unlikely to come back for from a tier with room, which buys no latency and, the space being
 paid for anyway, no money, while the predictor's cut-off age already drops what it counts as
 never returning (0.1% of host DRAM's rent dropped sessions idle 20-60 minutes from a device
-with hundreds of GB free, and the few that came back were recomputed: docs/policy.md).
+with hundreds of GB free, and the few that came back were recomputed: docs/cost-model.md).
 A chunk stored in a quantized form (int8 / int4, docs/tiers.md "Forms") moves and holds fewer
 bytes, and pays its codec: `decode_s` when it is restored (on the restore's path, so TTFT) and
 `encode_s` when it is demoted (on the mover's worker, so worker time, not TTFT). Codec speeds
@@ -41,7 +41,7 @@ are bytes of full-precision KV per second (`CodecSpeed`): measured on this machi
 input twice, for the group ranges and for the codes).
 
 `rent_T` converts money to seconds at the exchange rate 1 s of latency = 1 s of GPU time:
-rent_T = 3600 * ($ per GB-hour of tier T) / ($ per GPU-hour). docs/policy.md has the numbers.
+rent_T = 3600 * ($ per GB-hour of tier T) / ($ per GPU-hour). docs/cost-model.md has the numbers.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ GB = 1e9
 MAX_OCCUPANCY = 0.99  # where the congestion factor stops growing, so prices stay finite
 
 # Dollar prices behind the default rents; order-of-magnitude cloud list prices, replace them
-# with your own in [policy.cost] (docs/policy.md derives each).
+# with your own in [policy.cost] (docs/cost-model.md derives each).
 DEFAULT_GPU_DOLLARS_PER_HOUR = 2.5  # one H100 on demand
 DEFAULT_DOLLARS_PER_GB_HOUR = {
     "device": 2.5 / 80,  # the GPU's price spread over its 80 GB of HBM

@@ -3,7 +3,7 @@
 A policy returns `Keep`/`Move`/`Drop` (`actions.py`); `ActionExecutor.run` decides, action by
 action and chunk by chunk, what each one means for a `ChunkTarget`: the engine's tiered
 connector (`kvtier.cache.chunk_actions`) or the simulator's size-only store
-(`kvtier.sim.replica`). Both sides thus read an action the same way, and only the mechanics of
+(`kvtier.sim.chunk_actions`). Both sides thus read an action the same way, and only the mechanics of
 a copy differ.
 
 The rules, in the policy's vocabulary (session id, chunk index, tier name, form):

@@ -1,6 +1,7 @@
 """Tiers below device memory (host, disk, remote) and the store that moves KV chunks among them.
 
-See docs/tiers.md for the contract, the formats on disk and in Redis, and the failure semantics.
+See docs/tiers.md for the contract and the failure semantics, docs/storage-format.md for the
+formats on disk and in Redis.
 """
 
 from __future__ import annotations
