@@ -14,7 +14,7 @@ from kvtier.compress.presses.lowrank import LowRankCodec, LowRankPress
 from kvtier.compress.registry import build_lowrank_press
 from kvtier.engine import SamplingParams
 from kvtier.errors import KvtierError
-from kvtier.lowrank import lowrank
+from kvtier.lowrank import bases as lowrank
 from kvtier.lowrank.bases import cache_path, load_or_fit, with_fitted_bases
 from kvtier.lowrank.fit import (
     calibration_text,
