@@ -10,16 +10,20 @@ from typing import Any
 from kvtier.errors import KvtierError
 
 
-def read_table(path: str | Path, name: str) -> dict[str, Any]:
-    """The file's `[name]` table ({} when it has none)."""
+def read_file(path: str | Path) -> dict[str, Any]:
+    """The whole file, parsed; a missing or malformed file is one clear error."""
     try:
         with Path(path).open("rb") as handle:
-            data = tomllib.load(handle)
+            return tomllib.load(handle)
     except FileNotFoundError:
         raise KvtierError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
-    table = data.get(name, {})
+
+
+def read_table(path: str | Path, name: str) -> dict[str, Any]:
+    """The file's `[name]` table ({} when it has none)."""
+    table = read_file(path).get(name, {})
     if not isinstance(table, dict):
         raise KvtierError(f"{path}: '{name}' must be a table ([{name}]), not {table!r}")
     return table

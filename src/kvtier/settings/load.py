@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from kvtier.policy.config import PolicyConfig, load_config_traced
 from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
 from kvtier.settings.compression import CompressionSection
 from kvtier.settings.server import ServerConfig, tenant_from_mapping
-from kvtier.toml_table import setting_value
+from kvtier.toml_table import read_file, setting_value
 from kvtier.units import parse_size
 
 CONFIG_ENV = "KVTIER_CONFIG"  # the file when no --config is given
@@ -151,13 +150,8 @@ def load_settings(
 
 
 def _read_file(path: str) -> dict[str, dict[str, Any]]:
-    try:
-        with Path(path).open("rb") as handle:
-            data = tomllib.load(handle)
-    except FileNotFoundError:
-        raise KvtierError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise KvtierError(f"config file {path} is not valid TOML: {exc}") from None
+    """The file's tables, each a table this version knows."""
+    data = read_file(path)
     for name, table in data.items():
         if name not in TABLES:
             close = difflib.get_close_matches(name, list(TABLES), n=1)

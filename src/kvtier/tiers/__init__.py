@@ -6,11 +6,8 @@ formats on disk and in Redis.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvtier.lazy_exports import lazy_getattr
 
-# Imported on first use (PEP 562): importing one light module of the package (its
-# settings, say) must not load torch and every backend with it.
 _EXPORTS = {
     "Chunk": "kvtier.tiers.store",
     "CorruptRecord": "kvtier.tiers.base",
@@ -35,9 +32,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

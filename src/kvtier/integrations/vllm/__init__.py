@@ -8,8 +8,7 @@ first use only, so the adapters beside them (settings, port, request view) load 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvtier.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "KvtierConnector": "kvtier.integrations.vllm.connector",
@@ -20,9 +19,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
