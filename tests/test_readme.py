@@ -111,6 +111,7 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         "kvtier serve --tenant acme:sk-acme:268435456 --tenant beta:sk-beta "
         "--admin-key sk-admin": WithServer("tenants"),
         SERVE_TIERS: WithServer("tiers"),
+        "kvtier config show --host-bytes 1GiB --disk-dir out/kv-cache --policy cost": Run(),
         CURL_CHAT: WithServer(),
         "kvtier model prepare": Run(),
         "kvtier model info": Run(),
