@@ -73,7 +73,8 @@ TABLES: dict[str, Table] = {
             "tiers",
             "tier budgets, disk folder, Redis URL, chunk size, forms, integrity, "
             "write-through, restore",
-            "`kvtier serve`, `bench`, `simulate`, `config show`, the vLLM connector",
+            "`kvtier serve`, `bench`, `simulate` (the budgets, chunk size, write-through and "
+            "kept blocks), `config show`, the vLLM connector",
             "kvtier.cache.config:TiersConfig",
         ),
         Table(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from kvtier.settings.catalog import settings_of
+from kvtier.settings.catalog import TABLES, settings_of
 
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n).*?(<!-- end generated -->)", re.S)
 
@@ -28,6 +28,20 @@ def key_table(table: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_list() -> str:
+    """The markdown table of the tables: what each holds and which commands read it."""
+    lines = ["| table | what | read by |", "|---|---|---|"]
+    for table in TABLES.values():
+        lines.append(f"| [`[{table.name}]`](#{table.name}) | {table.what} | {table.read_by} |")
+    return "\n".join(lines) + "\n"
+
+
 def rewrite(page: str) -> str:
-    """The page with every generated block regenerated."""
-    return _BLOCK.sub(lambda m: m.group(1) + key_table(m.group(2)) + m.group(3), page)
+    """The page with every generated block regenerated (`tables`: the list of tables)."""
+
+    def block(match: re.Match[str]) -> str:
+        name = match.group(2)
+        body = table_list() if name == "tables" else key_table(name)
+        return match.group(1) + body + match.group(3)
+
+    return _BLOCK.sub(block, page)
