@@ -16,8 +16,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
-
 from kvtier.cache.tiers_file import KEY_FILE_SETTINGS
 from kvtier.setting_doc import META_KEY, SettingDoc
 
@@ -108,7 +106,7 @@ TABLES: dict[str, Table] = {
 def settings_of(table: str) -> list[Setting]:
     """The keys of a table, in the model's order."""
     model = TABLES[table].model()
-    if isinstance(model, type) and issubclass(model, BaseModel):
+    if hasattr(model, "model_fields"):  # pydantic ([policy], [compression])
         return list(_pydantic_settings(table, model, ""))
     rows = []
     for item in dataclasses.fields(model):
@@ -138,7 +136,9 @@ def _default(item: dataclasses.Field[Any]) -> Any:
     return None if factory is dataclasses.MISSING else factory()
 
 
-def _pydantic_settings(table: str, model: type[BaseModel], prefix: str) -> Iterator[Setting]:
+def _pydantic_settings(table: str, model: Any, prefix: str) -> Iterator[Setting]:
+    from pydantic import BaseModel  # here: building a command's flags must not import it
+
     for name, info in model.model_fields.items():
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):

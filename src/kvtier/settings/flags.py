@@ -74,7 +74,7 @@ def add_table_arguments(
             if key not in skip:
                 flag = "--" + key.replace("_", "-")
                 group.add_argument(flag, dest=key, type=convert, metavar=metavar, help=help_text)
-    else:
+    elif table != "compression":  # a preset or a list of presses: --compression-set only
         for row in settings_of(table):
             if row.doc.flag and row.key not in skip:
                 action = _add_flag(group, row, (defaults or {}).get(row.key))
@@ -93,6 +93,8 @@ def flag_values(args: argparse.Namespace, table: str) -> dict[str, Any]:
     """The table's dedicated flags as given (absent ones: None)."""
     if table == "policy":
         keys = list(POLICY_FLAGS)
+    elif table == "compression":
+        keys = []
     else:
         keys = [row.key for row in settings_of(table) if row.doc.flag]
     return {key: getattr(args, key, None) for key in keys}
