@@ -175,6 +175,10 @@ def test_vllm_with_the_connector(tmp_path: Path) -> None:
         body = reply.json()
         assert body["choices"][0]["message"]["content"], body
         assert "prompt_tokens_details" in body["usage"], body  # --enable-prompt-tokens-details
+        log.flush()
+        started = (tmp_path / "vllm.log").read_text()
+        assert "kvtier: tiers host" in started  # the connector's settings, in vLLM's log
+        assert "kv_load_failure_policy=recompute" in started
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:

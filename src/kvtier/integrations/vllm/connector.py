@@ -39,7 +39,7 @@ from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
-from kvtier.integrations.vllm.settings import parse_settings
+from kvtier.integrations.vllm.settings import describe, parse_settings
 from kvtier.integrations.vllm.stats import KvtierStats, totals
 from kvtier.models.identity import model_identity
 
@@ -54,6 +54,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def route_logs_to_vllm() -> None:
+    """kvtier's log lines (these, the tiers' errors, the policy's) through vLLM's own handler,
+    so they appear in vLLM's log beside its lines; without it they would go nowhere."""
+    kvtier, vllm = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if not kvtier.handlers and vllm.handlers:
+        for handler in vllm.handlers:
+            kvtier.addHandler(handler)
+        kvtier.setLevel(vllm.level or logging.INFO)
+        kvtier.propagate = False
 
 
 class KvtierMetadata(KVConnectorMetadata):
@@ -94,10 +105,13 @@ class KvtierConnector(KVConnectorBase_V1):
                 f"tiers.chunk_tokens={chunk_tokens} must be a multiple of vLLM's "
                 f"block_size={block_size}"
             )
-        if transfer.kv_load_failure_policy != "recompute":
-            # a tier that fails (corrupt record, Redis down, late) must cost time only
-            log.info("kvtier: kv_load_failure_policy=recompute (a failed load is recomputed)")
-            transfer.kv_load_failure_policy = "recompute"
+        # a tier that fails (corrupt record, Redis down, late) must cost time only; vLLM's
+        # scheduler reads the policy after it has built this object, so this is what it runs
+        # with (its start-up line, printed before, still shows the value it was given)
+        transfer.kv_load_failure_policy = "recompute"
+        route_logs_to_vllm()
+        if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per process
+            log.info("kvtier: %s", describe(self._settings, transfer.kv_load_failure_policy))
         self._scheduler = SchedulerSide(block_size, chunk_tokens)
         self._tiers: EngineTiers | None = None
         self._reported: Counter[str] = Counter()  # totals already reported to vLLM

@@ -19,6 +19,7 @@ from kvtier.cache.config import TiersConfig
 from kvtier.errors import KvtierError
 from kvtier.policy.config import PolicyConfig
 from kvtier.settings.load import load_settings
+from kvtier.units import format_bytes
 
 KNOWN_KEYS = ("config", "tiers", "policy", "namespace")
 
@@ -60,3 +61,20 @@ def _table(extra: Mapping[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(table, Mapping):
         raise KvtierError(f"kv_connector_extra_config.{name}: a table (dict), got {table!r}")
     return dict(table)
+
+
+def describe(settings: ConnectorSettings, load_failure_policy: str) -> str:
+    """The connector's effective settings in one log line."""
+    tiers = settings.tiers
+    placed = [f"host {format_bytes(tiers.host_bytes)}"] if tiers.host_bytes else []
+    if tiers.disk_dir is not None and tiers.disk_bytes:
+        placed.append(f"disk {format_bytes(tiers.disk_bytes)} in {tiers.disk_dir}")
+    if tiers.redis_url:
+        placed.append(f"remote {format_bytes(tiers.redis_bytes)} at {tiers.redis_url}")
+    forms = {tier: form for tier, form in tiers.tier_forms().items() if form != "full"}
+    return (
+        f"tiers {', '.join(placed)}; chunks of {tiers.chunk_tokens} tokens, written through"
+        + (f", forms {forms}" if forms else "")
+        + f"; policy {settings.policy.name} every {settings.policy.interval_s:g} s"
+        + f"; kv_load_failure_policy={load_failure_policy}"
+    )
