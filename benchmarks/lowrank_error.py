@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.lowrank.fit import calibration_text, calibration_tokens, prompt_kv
 from kvtier.compress.lowrank import CALIBRATION_TOKENS, MomentAccumulator
 from kvtier.engine import Engine, EngineConfig
 from kvtier.engine.llama import rope_tables
+from kvtier.lowrank.fit import calibration_text, calibration_tokens, prompt_kv
 
 SHARES_KEPT = (0.75, 0.5, 0.25, 0.125)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier.lowrank.bases import with_fitted_bases
 from kvtier.compress import CompressionConfig, PressSpec
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.eval.sample import read_jsonl
 from kvtier.eval.scoring import score
+from kvtier.lowrank.bases import with_fitted_bases
 
 VARIANTS = {
     "lowrank:0.25, no sinks": {"ratio": 0.25, "options": {"sinks": 0}},
