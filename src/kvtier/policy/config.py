@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -312,6 +312,10 @@ def parse_request_overrides(data: Mapping[str, Any]) -> RequestOverrides:
         raise KvtierError("invalid retention hints: " + "; ".join(lines)) from None
 
 
+# One assignment to the [policy] table: its key path, the value, and where it came from.
+Assignment = tuple[tuple[str, ...], Any, str]
+
+
 def load_config(
     path: str | Path | None = None,
     *,
@@ -321,38 +325,25 @@ def load_config(
 ) -> PolicyConfig:
     """Merge the file's [policy] table, `env` (KVTIER_POLICY__*), `settings` (KEY=VALUE) and
     `policy` (a name), in that order, and validate. The policy name must resolve."""
-    return load_config_traced(path, env=env, settings=settings, policy=policy)[0]
+    assignments = [] if path is None else table_assignments(read_table(path, "policy"), str(path))
+    assignments += env_assignments(env or {})
+    assignments += setting_assignments(settings)
+    if policy is not None:
+        assignments.append((("name",), policy, "--policy"))
+    return load_config_traced(assignments)[0]
 
 
 def load_config_traced(
-    path: str | Path | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    settings: Sequence[str] = (),
-    policy: str | None = None,
-    settings_label: str = "--policy-set",
+    assignments: Sequence[Assignment],
 ) -> tuple[PolicyConfig, dict[str, str]]:
-    """`load_config`, and where each key given came from (dotted key -> source)."""
+    """The [policy] table the assignments make, each later one winning, validated; and where
+    each key given came from (dotted key -> source)."""
     from kvtier.policy.registry import resolve_policy  # registry imports every policy
 
     merged: dict[str, Any] = {}
     source: dict[tuple[str, ...], str] = {}
-    if path is not None:
-        _merge(merged, source, read_table(path, "policy"), str(path), ())
-    for variable, text in sorted((env or {}).items()):
-        if variable.startswith(ENV_PREFIX):
-            keys = tuple(variable.removeprefix(ENV_PREFIX).lower().split("__"))
-            _set(merged, source, keys, setting_value(text), f"environment variable {variable}")
-    for setting in settings:
-        key, sep, text = setting.partition("=")
-        if not sep or not key.strip():
-            raise KvtierError(
-                f"{settings_label} takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}"
-            )
-        keys = tuple(key.strip().split("."))
-        _set(merged, source, keys, setting_value(text.strip()), f"{settings_label} {setting}")
-    if policy is not None:
-        _set(merged, source, ("name",), policy, "--policy")
+    for keys, value, label in assignments:
+        _set(merged, source, keys, value, label)
     try:
         config = PolicyConfig.model_validate(merged)
     except ValidationError as exc:
@@ -362,18 +353,46 @@ def load_config_traced(
     return config, {".".join(keys): label for keys, label in source.items()}
 
 
-def _merge(
-    into: dict[str, Any],
-    source: dict[tuple[str, ...], str],
+def table_assignments(
     table: Mapping[str, Any],
     label: str,
-    prefix: tuple[str, ...],
-) -> None:
+    *,
+    whole: Collection[str] = (),
+    prefix: tuple[str, ...] = (),
+) -> list[Assignment]:
+    """A nested table's leaves (a key in `whole` is one value, not a table to descend)."""
+    assignments: list[Assignment] = []
     for key, value in table.items():
-        if isinstance(value, Mapping):
-            _merge(into, source, value, label, (*prefix, key))
+        if isinstance(value, Mapping) and key not in whole:
+            assignments += table_assignments(value, label, whole=whole, prefix=(*prefix, key))
         else:
-            _set(into, source, (*prefix, key), value, label)
+            assignments.append(((*prefix, key), value, label))
+    return assignments
+
+
+def env_assignments(env: Mapping[str, str]) -> list[Assignment]:
+    """`KVTIER_POLICY__COST__HORIZON_S=10` -> (("cost", "horizon_s"), 10, ...), sorted."""
+    return [
+        (
+            tuple(variable.removeprefix(ENV_PREFIX).lower().split("__")),
+            setting_value(text),
+            f"environment variable {variable}",
+        )
+        for variable, text in sorted(env.items())
+        if variable.startswith(ENV_PREFIX)
+    ]
+
+
+def setting_assignments(settings: Sequence[str], label: str = "--policy-set") -> list[Assignment]:
+    """`KEY=VALUE` settings, KEY dotted below [policy]."""
+    assignments: list[Assignment] = []
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or not key.strip():
+            raise KvtierError(f"{label} takes KEY=VALUE (e.g. cost.horizon_s=10), not {setting!r}")
+        keys = tuple(key.strip().split("."))
+        assignments.append((keys, setting_value(text.strip()), f"{label} {setting}"))
+    return assignments
 
 
 def _set(

@@ -20,8 +20,14 @@ from typing import Any
 from kvtier.cache.config import TiersConfig
 from kvtier.cache.tiers_file import tiers_from_table, unknown_key
 from kvtier.errors import KvtierError
-from kvtier.policy.config import PolicyConfig, load_config_traced
-from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of, toml_text
+from kvtier.policy.config import (
+    PolicyConfig,
+    env_assignments,
+    load_config_traced,
+    setting_assignments,
+    table_assignments,
+)
+from kvtier.settings.catalog import ENV_PREFIX, TABLES, keys_of, settings_of
 from kvtier.settings.compression import CompressionSection
 from kvtier.settings.server import ServerConfig, tenant_from_mapping
 from kvtier.toml_table import read_file, setting_value
@@ -121,15 +127,24 @@ def load_settings(
             if value is not None:
                 put(table, key, value, "--" + key.replace("_", "-"))
 
-    policy_sets = [f"{k}={toml_text(v)}" for k, v in _flatten(inline.get("policy") or {})]
-    policy_sets += list(sets.get("policy", ()))
-    policy_flags = {k: v for k, v in (flags.get("policy") or {}).items() if v is not None}
-    policy_sets += [f"{key}={toml_text(value)}" for key, value in policy_flags.items()]
+    policy_flags = [
+        ((key,), value, "--" + key.replace("_", "-"))
+        for key, value in (flags.get("policy") or {}).items()
+        if value is not None
+    ]
+    named = [] if policy_name is None else [(("name",), policy_name, "--policy")]
     policy, policy_origins = load_config_traced(
-        path if "policy" in file_tables else None,
-        env=env,
-        settings=policy_sets,
-        policy=policy_name,
+        [
+            *table_assignments(file_tables.get("policy", {}), str(path)),
+            *env_assignments(env),
+            # an inline `options` table replaces the file's, as a whole
+            *table_assignments(
+                inline.get("policy") or {}, f"{inline_label}.policy", whole=("options",)
+            ),
+            *setting_assignments(sets.get("policy", ())),
+            *policy_flags,
+            *named,
+        ]
     )
     origins.update({f"policy.{key}": origin for key, origin in policy_origins.items()})
     tier_origins = {
@@ -221,13 +236,3 @@ def _compression(given: Mapping[str, Any], origins: Mapping[str, str]) -> Compre
             message = str(error["msg"]).removeprefix("Value error, ")
             lines.append(f"{_where('compression', key, origins)}: {message}")
         raise KvtierError("invalid compression configuration: " + "; ".join(lines)) from None
-
-
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    items: list[tuple[str, Any]] = []
-    for key, value in table.items():
-        if isinstance(value, Mapping) and key != "options":
-            items += _flatten(value, f"{prefix}{key}.")
-        else:
-            items.append((prefix + key, value))
-    return items
