@@ -132,8 +132,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in settings.warnings():
         print(f"kvtier: warning: {warning}", file=sys.stderr, flush=True)
     # each policy's defaults unless a [policy] key was given somewhere
-    given_policy = any(key.startswith("policy.") for key in settings.origins)
-    policy_config = settings.policy if given_policy else None
+    policy_config = settings.policy if settings.policy_given else None
     workload = load_workload(args, setup.resume_after_s)
 
     from kvtier.workload.model import flatten

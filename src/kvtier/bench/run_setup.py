@@ -36,12 +36,14 @@ class RunSettings:
         return self.scheduling["kv_cache_bytes"]
 
 
-def run_settings(args: argparse.Namespace) -> RunSettings:
+def run_settings(args: argparse.Namespace, *, engine_tiers: bool = True) -> RunSettings:
+    """`engine_tiers` False: the replay runs against a server, whose tiers are its own, so
+    the [tiers] table is merged but no tier is built (no key file read or created)."""
     from kvtier.engine.config import EngineConfig
     from kvtier.settings.flags import from_args
     from kvtier.units import parse_size
 
-    settings = from_args(args, SETTINGS_TABLES)
+    settings = from_args(args, SETTINGS_TABLES, engine_tiers=engine_tiers)
     defaults = EngineConfig()
     scheduling = {
         "kv_cache_bytes": parse_size(QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES),

@@ -28,7 +28,7 @@ def run_server(args: argparse.Namespace) -> int:
                 "(start one server per policy and bench each; see docs/bench.md)"
             )
     started = time.perf_counter()
-    resume_after_s = run_settings(args).resume_after_s
+    resume_after_s = run_settings(args, engine_tiers=False).resume_after_s
     workload = load_workload(args, resume_after_s)
     requests = flatten(workload)
     if not requests:

@@ -37,10 +37,6 @@ class Setting:
         return "--" + self.key.replace("_", "-").replace(".", "-")
 
     @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.table.upper() + "__" + self.key.replace(".", "__").upper()
-
-    @property
     def default_words(self) -> str:
         """The default as the reference and `kvtier config show` state it."""
         if self.doc.default_text is not None:

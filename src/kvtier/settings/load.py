@@ -55,11 +55,15 @@ class Settings:
     # the values as given, per flat table ("table.key" -> value), for `kvtier config show`
     given: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def policy_given(self) -> list[str]:
+        """The [policy] keys some source gave ("policy.KEY"); none: every default."""
+        return [key for key in self.origins if key.startswith("policy.")]
+
     def warnings(self) -> list[str]:
         """What is configured but will not act, in words a command prints at start."""
-        policy_given = [key for key in self.origins if key.startswith("policy.")]
-        if self.tiers is None and policy_given:
-            origin = self.origins[policy_given[0]]
+        if self.tiers is None and self.policy_given:
+            origin = self.origins[self.policy_given[0]]
             return [
                 "every tier is off (host_bytes 0, no disk_dir, no remote_url): the engine runs "
                 f"on its device pool alone, and the [policy] settings (from {origin}) have "
@@ -100,9 +104,12 @@ def load_settings(
     values: dict[str, dict[str, Any]] = {name: {} for name in FLAT_TABLES}
     origins: dict[str, str] = {}
 
+    allowed = {table: keys_of(table) for table in FLAT_TABLES}
+    allowed["server"].append("tenants")  # [server.tenants.NAME] tables
+
     def put(table: str, key: str, value: Any, origin: str) -> None:
-        if key not in keys_of(table) and not (table == "server" and key == "tenants"):
-            raise KvtierError(f"{table}.{key} (from {origin}): {unknown_key(key, keys_of(table))}")
+        if key not in allowed[table]:
+            raise KvtierError(f"{table}.{key} (from {origin}): {unknown_key(key, allowed[table])}")
         values[table][key] = value
         origins[f"{table}.{key}"] = origin
 
@@ -120,7 +127,7 @@ def load_settings(
             key, sep, text = setting.partition("=")
             if not sep or not key.strip():
                 raise KvtierError(
-                    f"--{table}-set takes KEY=VALUE (e.g. {keys_of(table)[0]}=...), not {setting!r}"
+                    f"--{table}-set takes KEY=VALUE (e.g. {allowed[table][0]}=...), not {setting!r}"
                 )
             put(table, key.strip(), setting_value(text.strip()), f"--{table}-set {setting}")
         for key, value in (flags.get(table) or {}).items():

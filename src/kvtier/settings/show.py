@@ -31,15 +31,6 @@ def _comment(settings: Settings, row: Setting) -> str:
     return origin
 
 
-def effective_values(settings: Settings) -> dict[str, Any]:
-    """ "table.key" -> the value in effect (as `render` shows it), for every key."""
-    return {
-        f"{table}.{row.key}": _value(settings, row)
-        for table in TABLES
-        for row in settings_of(table)
-    }
-
-
 def _value(settings: Settings, row: Setting) -> str:
     table, origin = row.table, settings.origin(row.table, row.key)
     if table == "policy":
