@@ -12,8 +12,10 @@ computed, or handed over by code).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from kvtier.errors import KvtierError
 
 META_KEY = "setting"
 
@@ -58,3 +60,17 @@ def pydantic_extra(
 ) -> dict[str, Any]:
     """`json_schema_extra` of a pydantic field that is a setting."""
     return {META_KEY: SettingDoc(help, kind, default_text, flag, choices)}
+
+
+def check_choices(model: Any, table: str) -> None:
+    """Each setting of a dataclass that names its choices holds one of them (or None, where
+    None is its default): the choices `--help` and the reference show are the ones checked."""
+    for item in fields(model):
+        doc = item.metadata.get(META_KEY)
+        if doc is None or not doc.choices:
+            continue
+        value = getattr(model, item.name)
+        if value in doc.choices or (value is None and item.default is None):
+            continue
+        allowed = ", ".join(doc.choices[:-1]) + " or " + doc.choices[-1]
+        raise KvtierError(f"{table}.{doc.key or item.name} must be {allowed}, got {value!r}")

@@ -6,10 +6,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from kvtier.errors import KvtierError
-from kvtier.setting_doc import setting
+from kvtier.setting_doc import check_choices, setting
 from kvtier.vocab import DISK_BACKEND_NAMES, FORM_PRECISION, FULL, LOWER_TIERS
 
 if TYPE_CHECKING:
@@ -23,6 +23,17 @@ DiskCopy = Literal["on_write", "on_shutdown"]
 Integrity = Literal["mac", "encrypt", "none"]
 
 TIER_NAMES = LOWER_TIERS  # top first
+
+
+def default_host_bytes() -> int:
+    """A tenth of the machine's memory, at most half of what is free now, whole MiB: the host
+    tier is preallocated at start, so it must leave room for the model and everything else."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 30
+    return max(0, min(total // 10, free // 2)) & ~((1 << 20) - 1)
 
 
 @dataclass
@@ -87,7 +98,7 @@ class TiersConfig:
     """
 
     host_bytes: int = setting(
-        default_factory=lambda: default_host_bytes(),
+        default_factory=default_host_bytes,
         help="the host tier's budget, allocated up front; 0: no host tier "
         "([backends/host.md](../backends/host.md))",
         kind="size",
@@ -124,7 +135,7 @@ class TiersConfig:
         help="over a persistent disk tier: `on_write` copies each chunk the host takes to disk; "
         "`on_shutdown` only when demoted and at shutdown",
         kind="string",
-        choices=("on_write", "on_shutdown"),
+        choices=get_args(DiskCopy),
     )
     shutdown_flush_s: float = setting(
         10.0,
@@ -186,14 +197,14 @@ class TiersConfig:
         "(checksummed) ([storage-format.md](../storage-format.md))",
         kind="string",
         default_text='`"encrypt"` with `encrypt`, else `"mac"` with a key, else `"none"`',
-        choices=("mac", "encrypt", "none"),
+        choices=get_args(Integrity),
     )
     restore: RestoreMode = setting(
         "load",
         help="`load` every stored chunk, `plan` (load, recompute or both, by the restore "
         "planner) or `recompute`",
         kind="string",
-        choices=("load", "plan", "recompute"),
+        choices=get_args(RestoreMode),
     )
     restore_deadline_s: float = setting(
         2.0,
@@ -205,7 +216,7 @@ class TiersConfig:
         help="`chunk` (whole chunks before the forward) or `layer` (overlapped with it: "
         "[tiers.md](../tiers.md#layer-wise-pipelined-restore))",
         kind="string",
-        choices=("chunk", "layer"),
+        choices=get_args(RestorePipeline),
         flag=True,
     )
     prefetch: bool = setting(True, help="start loads when a request is queued", kind="bool")
@@ -279,18 +290,8 @@ class TiersConfig:
             )
         if not isinstance(self.keep_moved, bool):
             raise KvtierError(f"tiers.keep_moved must be true or false, got {self.keep_moved!r}")
-        if self.restore not in ("load", "plan", "recompute"):
-            raise KvtierError(f"tiers.restore must be load, plan or recompute: {self.restore!r}")
-        if self.restore_pipeline not in ("chunk", "layer"):
-            raise KvtierError(
-                f"tiers.restore_pipeline must be chunk or layer: {self.restore_pipeline!r}"
-            )
         if not self.restore_deadline_s >= 0:
             raise KvtierError("tiers.restore_deadline_s must be >= 0")
-        if self.disk_copy not in ("on_write", "on_shutdown"):
-            raise KvtierError(
-                f"tiers.disk_copy must be on_write or on_shutdown, got {self.disk_copy!r}"
-            )
         flush = self.shutdown_flush_s
         if isinstance(flush, bool) or not isinstance(flush, int | float) or not flush >= 0:
             raise KvtierError(f"tiers.shutdown_flush_s must be a number >= 0, got {flush!r}")
@@ -299,6 +300,7 @@ class TiersConfig:
                 f"tiers.disk_backend: unknown {self.disk_backend!r}; "
                 f"choose one of {', '.join(DISK_BACKEND_NAMES)}"
             )
+        check_choices(self, "tiers")  # restore, restore_pipeline, disk_copy, integrity
         if self.disk_backend == "mmap" and (self.encrypt or self.disk_persist):
             raise KvtierError(
                 "tiers.disk_backend='mmap' neither encrypts nor persists: use 'segments' "
@@ -343,10 +345,6 @@ class TiersConfig:
         return "mac" if self.encrypt_key is not None else "none"
 
     def _check_integrity(self) -> None:
-        if self.integrity not in (None, "mac", "encrypt", "none"):
-            raise KvtierError(
-                f"tiers.integrity must be mac, encrypt or none, got {self.integrity!r}"
-            )
         if self.integrity == "mac" and self.encrypt_key is None:
             # A per-process key would make every other replica's and every earlier run's
             # values misses: signing needs the key the replicas share.
@@ -383,14 +381,3 @@ class TiersConfig:
                     f"{above} or a less precise form"
                 )
             above_name, above = tier, form
-
-
-def default_host_bytes() -> int:
-    """A tenth of the machine's memory, at most half of what is free now, whole MiB: the host
-    tier is preallocated at start, so it must leave room for the model and everything else."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 30
-    return max(0, min(total // 10, free // 2)) & ~((1 << 20) - 1)
