@@ -12,7 +12,7 @@ computed, or handed over by code).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from kvtier.errors import KvtierError
@@ -62,12 +62,16 @@ def pydantic_extra(
     return {META_KEY: SettingDoc(help, kind, default_text, flag, choices)}
 
 
+def setting_fields(model: Any) -> list[tuple[Field[Any], SettingDoc]]:
+    """A dataclass's fields that are settings, each with its words, in declaration order."""
+    return [(item, item.metadata[META_KEY]) for item in fields(model) if META_KEY in item.metadata]
+
+
 def check_choices(model: Any, table: str) -> None:
     """Each setting of a dataclass that names its choices holds one of them (or None, where
     None is its default): the choices `--help` and the reference show are the ones checked."""
-    for item in fields(model):
-        doc = item.metadata.get(META_KEY)
-        if doc is None or not doc.choices:
+    for item, doc in setting_fields(model):
+        if not doc.choices:
             continue
         value = getattr(model, item.name)
         if value in doc.choices or (value is None and item.default is None):

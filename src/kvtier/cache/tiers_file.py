@@ -28,13 +28,12 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from kvtier.cache.config import TiersConfig, default_host_bytes
 from kvtier.errors import KvtierError
-from kvtier.setting_doc import META_KEY, SettingDoc
+from kvtier.setting_doc import SettingDoc, setting_fields
 
 # Keys of the table that are no TiersConfig field: the master key comes from a file.
 KEY_FILE_SETTINGS = {
@@ -51,27 +50,14 @@ KEY_FILE_SETTINGS = {
 _GIB = 1 << 30
 
 
-def _field_of_key() -> dict[str, str]:
-    """[tiers] key -> TiersConfig field, for the fields that are settings."""
-    keys = {}
-    for item in fields(TiersConfig):
-        doc = item.metadata.get(META_KEY)
-        if doc is not None:
-            keys[doc.key or item.name] = item.name
-    return keys
-
-
-def _size_keys() -> set[str]:
-    return {
-        doc.key or item.name
-        for item in fields(TiersConfig)
-        if (doc := item.metadata.get(META_KEY)) is not None and doc.kind == "size"
-    }
+def _settings() -> dict[str, tuple[str, SettingDoc]]:
+    """[tiers] key -> (TiersConfig field, its words), for the fields that are settings."""
+    return {doc.key or item.name: (item.name, doc) for item, doc in setting_fields(TiersConfig)}
 
 
 def table_keys() -> list[str]:
     """Every key the [tiers] table accepts."""
-    return sorted([*_field_of_key(), *KEY_FILE_SETTINGS])
+    return sorted([*_settings(), *KEY_FILE_SETTINGS])
 
 
 def tiers_from_table(
@@ -83,17 +69,17 @@ def tiers_from_table(
     def where(key: str) -> str:
         return f"tiers.{key}" + (f" (from {source[key]})" if key in source else "")
 
-    unknown = sorted(set(table) - set(table_keys()))
+    allowed = table_keys()
+    unknown = sorted(set(table) - set(allowed))
     if unknown:
-        raise KvtierError(f"{where(unknown[0])}: {unknown_key(unknown[0], table_keys())}")
-    field_of, sizes = _field_of_key(), _size_keys()
+        raise KvtierError(f"{where(unknown[0])}: {unknown_key(unknown[0], allowed)}")
+    settings = _settings()
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key in KEY_FILE_SETTINGS:
             continue
-        if key in sizes:
-            value = _size(value, where(key))
-        values[field_of[key]] = value
+        name, doc = settings[key]
+        values[name] = _size(value, where(key)) if doc.kind == "size" else value
     if "host_bytes" not in values:
         values["host_bytes"] = default_host_bytes()  # the field's default, taken now
     disk_dir = values.get("disk_dir")

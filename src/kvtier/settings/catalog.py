@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cache.tiers_file import KEY_FILE_SETTINGS
-from kvtier.setting_doc import META_KEY, SettingDoc
+from kvtier.setting_doc import META_KEY, SettingDoc, setting_fields
 
 ENV_PREFIX = "KVTIER_"
 
@@ -104,12 +104,10 @@ def settings_of(table: str) -> list[Setting]:
     model = TABLES[table].model()
     if hasattr(model, "model_fields"):  # pydantic ([policy], [compression])
         return list(_pydantic_settings(table, model, ""))
-    rows = []
-    for item in dataclasses.fields(model):
-        doc = item.metadata.get(META_KEY)
-        if doc is None:
-            continue
-        rows.append(Setting(table, doc.key or item.name, item.name, doc, _default(item)))
+    rows = [
+        Setting(table, doc.key or item.name, item.name, doc, _default(item, doc))
+        for item, doc in setting_fields(model)
+    ]
     if table == "tiers":
         rows += [
             Setting(table, key, key, doc, False if doc.kind == "bool" else None)
@@ -122,11 +120,10 @@ def keys_of(table: str) -> list[str]:
     return [row.key for row in settings_of(table)]
 
 
-def _default(item: dataclasses.Field[Any]) -> Any:
+def _default(item: dataclasses.Field[Any], doc: SettingDoc) -> Any:
     if item.default is not dataclasses.MISSING:
         return item.default
-    doc = item.metadata.get(META_KEY)
-    if doc is not None and doc.default_text is not None:
+    if doc.default_text is not None:
         return None  # computed for the machine: the words say how
     factory = item.default_factory
     return None if factory is dataclasses.MISSING else factory()
