@@ -11,6 +11,10 @@ A row's bits depend only on its query and the keys it sees (key blocks at fixed 
 key 0, no arithmetic across rows, fixed reduction orders): not on how many rows share the call,
 where the row sits among them, or the number of threads (tests/engine/test_prefill_attention.py).
 
+`paged_attention` is deterministic mode's entry (`EngineConfig.deterministic`): every row of a
+step, decodes and prefill chunks alike, against its own sequence's keys read from the block
+pool through the block tables (tests/engine/test_paged_attention.py).
+
 Built by the system's compiler with -march=native (`engine/native.py`); `available()` is False
 without a compiler or on a CPU without AVX512_BF16, and callers keep `_flash`.
 """
@@ -41,6 +45,11 @@ def _library() -> ctypes.CDLL | None:
             _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int,
             ctypes.c_float,
             _PTR, _PTR, ctypes.c_int,
+        ]  # fmt: skip
+        lib.kvtier_paged_attention.restype = None
+        lib.kvtier_paged_attention.argtypes = [
+            _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64,
+            ctypes.c_float, _PTR, ctypes.c_int,
         ]  # fmt: skip
     return lib
 
@@ -91,3 +100,43 @@ def prefill_attention(
         out.data_ptr(), lse.data_ptr(), threads or torch.get_num_threads(),
     )  # fmt: skip
     return out, lse
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    tables: torch.Tensor,
+    row_start: torch.Tensor,
+    first_pos: torch.Tensor,
+    scale: float,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Every row of a step against its own sequence's keys [0, its position], read from the
+    pool: q [rows, heads, 64] bf16; `kv` the contiguous bf16 pool [blocks, layers, 2, kv_heads,
+    block_size, 64]; sequence s owns rows row_start[s] .. row_start[s + 1] (int64, [S + 1]),
+    the first at position first_pos[s] ([S]), its blocks tables[s] ([S, width] int64) ->
+    float32 [rows, heads, 64].
+
+    A row's bits depend on its query and those keys only (for every row: pieces of 512 keys
+    from key 0, each in blocks of 64 keys with its own softmax, folded in key order): not on
+    the rows beside it, the sequence's other rows, where its chunk starts, or the thread
+    count. Needs `available()`."""
+    lib = _library()
+    assert lib is not None and kv.is_contiguous() and kv.dtype == torch.bfloat16
+    rows, heads, dim = q.shape
+    kv_heads, block_size = kv.shape[3], kv.shape[4]
+    assert dim == DIM == kv.shape[5] and q.dtype == torch.bfloat16 and block_size % 16 == 0
+    q = q.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    row_start = row_start.to(torch.int64).contiguous()
+    first_pos = first_pos.to(torch.int64).contiguous()
+    assert row_start.shape[0] == first_pos.shape[0] + 1 == tables.shape[0] + 1
+    assert int(row_start[-1]) == rows
+    out = torch.empty(rows, heads, DIM)
+    lib.kvtier_paged_attention(
+        q.data_ptr(), heads, kv_heads, kv.data_ptr(), kv.shape[1], layer, block_size,
+        tables.data_ptr(), tables.shape[1], row_start.data_ptr(), first_pos.data_ptr(),
+        first_pos.shape[0], scale, out.data_ptr(), threads or torch.get_num_threads(),
+    )  # fmt: skip
+    return out
