@@ -14,6 +14,13 @@ when an observer must see the chunk's keys, the chunk is split along the query a
 additive causal masks, so that query rows never multiply against keys that lie in their
 future (a causal mask alone still pays for those products).
 
+In deterministic mode (`EngineConfig.deterministic`) every row of a step, decode or prefill,
+takes one call of `prefill_attention.paged_attention` per layer instead: each row against its
+own sequence's keys [0, its position] read through the block tables, in pieces of 512 keys
+from key 0 folded in key order, by the same arithmetic whatever the row is (no stretches
+counted from a chunk), so KV written by a decode equals KV recomputed by a prefill, bit for
+bit.
+
 Grouped-query attention is folded rather than repeated: the query heads sharing a KV head
 are stacked along the query axis ([B, kv_heads, group * q_len, D]), so K/V are read once per
 KV head instead of being copied `group` times.
@@ -81,6 +88,40 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * bs] additive
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Deterministic mode's per-sequence view of the step, built by the first layer that
+    # needs it (`StepSequences.of`) and shared by the others.
+    sequences: StepSequences | None = None
+
+
+@dataclass(frozen=True)
+class StepSequences:
+    """The step's rows grouped by sequence, in row order, as `paged_attention` takes them:
+    sequence s owns rows row_start[s] .. row_start[s + 1], the first at position
+    first_pos[s], its blocks tables[s] (padded with zeros)."""
+
+    tables: torch.Tensor  # [S, width] int64
+    row_start: torch.Tensor  # [S + 1] int64
+    first_pos: torch.Tensor  # [S] int64
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> StepSequences:
+        tables: list[torch.Tensor] = []
+        rows = [0]
+        first: list[int] = []
+        if meta.num_decodes:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            tables.extend(meta.decode_block_tables.cpu())
+            first.extend((meta.decode_context_lens.cpu() - 1).tolist())
+            rows.extend(range(1, meta.num_decodes + 1))
+        for span in meta.prefills:
+            tables.append(span.block_table[0].cpu())
+            first.append(span.past_len)
+            rows.append(span.token_end)
+        width = max(len(t) for t in tables)
+        padded = torch.zeros(len(tables), width, dtype=torch.int64)
+        for i, table in enumerate(tables):
+            padded[i, : len(table)] = table
+        return cls(padded, torch.tensor(rows), torch.tensor(first))
 
 
 class PagedAttention:
@@ -91,6 +132,7 @@ class PagedAttention:
         num_kv_heads: int,
         head_dim: int,
         paged_decode: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.pool = pool
         self.num_heads = num_heads
@@ -102,6 +144,28 @@ class PagedAttention:
         # EngineConfig.paged_decode, where the kernel applies and is built: settled here, once,
         # so that no request switches paths midway (bf16 outputs of the two differ in last bits)
         self.paged_decode = paged_decode and self._kernel_applies()
+        # EngineConfig.deterministic: the engine checked `deterministic_unavailable` first
+        self.deterministic = deterministic
+
+    def deterministic_unavailable(self) -> str | None:
+        """Why deterministic mode cannot serve this pool here (None: it can). Its kernel
+        reads bf16 pairs with AVX512_BF16 dot products, head_dim 64, from a plain `KVPool`
+        on the CPU whose blocks hold whole groups of 16 keys."""
+        pool = self.pool
+        if pool.device.type != "cpu":
+            return "it runs on the CPU only"
+        if type(pool) is not KVPool:
+            return "it needs a full-precision KV pool (no kv_quant)"
+        if pool.dtype != torch.bfloat16:
+            return "it needs dtype bfloat16"
+        if self.head_dim != prefill_attention.DIM or pool.block_size % 16:
+            return (
+                f"its kernel takes head_dim {prefill_attention.DIM} and blocks of a multiple of "
+                f"16 tokens (this model: head_dim {self.head_dim}, block_size {pool.block_size})"
+            )
+        if not prefill_attention.available():
+            return "its kernel needs a CPU with AVX512_BF16 and a C++ compiler (g++ or $CXX)"
+        return None
 
     @property
     def needs_weights(self) -> bool:
@@ -149,6 +213,14 @@ class PagedAttention:
     ) -> torch.Tensor:
         """q [N, heads, D], k/v [N, kv_heads, D] -> attention output [N, heads * D]."""
         self.pool.write_slots(layer, meta.slot_index, k, v)
+        if self.deterministic:
+            if meta.sequences is None:
+                meta.sequences = StepSequences.of(meta)
+            seqs = meta.sequences
+            out = prefill_attention.paged_attention(
+                q, self.pool.kv, layer, seqs.tables, seqs.row_start, seqs.first_pos, self.scale
+            ).to(q.dtype)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and self.pages_decode:

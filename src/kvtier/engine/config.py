@@ -105,6 +105,14 @@ class EngineConfig:
     # restore tests hold with it on (benchmarks/records/2026-12-02-paged-decode-kernel.md).
     # Without a C++ compiler the engine logs it and keeps the gather; False keeps it too.
     paged_decode: bool = True
+    deterministic: bool = setting(
+        False,
+        help="every row's attention by one kernel whatever its batch, chunk or history: a "
+        "turn restored from any tier, or batched, answers bit for bit as alone and recomputed "
+        "(bf16 on CPUs with AVX512_BF16)",
+        kind="bool",
+        flag=True,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):

@@ -72,7 +72,9 @@ class Engine:
         self.dtype = getattr(torch, config.dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        self.namespace = config.namespace or default_namespace(model_dir, config.dtype)
+        self.namespace = config.namespace or default_namespace(
+            model_dir, config.dtype, config.deterministic
+        )
         with torch.inference_mode():
             geometry = (mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size)
             if config.kv_quant is None:
@@ -90,8 +92,15 @@ class Engine:
                     staging_blocks=config.max_num_seqs,
                 )
             attention = PagedAttention(
-                self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim, config.paged_decode
+                self.kv_pool,
+                mc.num_heads,
+                mc.num_kv_heads,
+                mc.head_dim,
+                config.paged_decode,
+                config.deterministic,
             )
+            if config.deterministic and (why := attention.deterministic_unavailable()):
+                raise KvtierError(f"deterministic mode is not available here: {why}")
             self.model = LlamaModel(mc, load_weights(model_dir), attention, self.dtype, self.device)
         # Started once the weights are in, so it does not slow their loading (None: off).
         self.prefault = Prefaulter(self.kv_pool.buffers()) if config.prefault_kv_pool else None
@@ -161,6 +170,12 @@ class Engine:
     # ----- hooks -------------------------------------------------------------------------
 
     def add_attention_observer(self, observer: AttentionObserver) -> None:
+        if self.config.deterministic:
+            # observers read the masked path's keys and weights, which this mode never builds
+            raise KvtierError(
+                "deterministic mode does not combine with attention observers (KV compression "
+                "presses that score keys)"
+            )
         self.model.attention.observers.append(observer)
 
     def remove_attention_observer(self, observer: AttentionObserver) -> None:
@@ -813,11 +828,14 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> set[int]:
     return ids
 
 
-def default_namespace(model_dir: Path, dtype: str) -> str:
+def default_namespace(model_dir: Path, dtype: str, deterministic: bool = False) -> str:
     """Model id for block keys: folder name, dtype, and a digest of the model's bytes.
 
     The digest (`kvtier.models.identity`: weights, adapter, config and tokenizer contents)
     keeps two models in same-named folders apart, however small their difference; the dtype
-    does because their KV bytes differ.
+    does because their KV bytes differ. So does deterministic mode: its attention rounds
+    otherwise, and a turn restored from KV the default mode wrote would not be the same bits
+    as that turn recomputed.
     """
-    return f"{model_dir.name}:{dtype}:{model_digest(model_dir)}"
+    mode = ":deterministic" if deterministic else ""
+    return f"{model_dir.name}:{dtype}{mode}:{model_digest(model_dir)}"

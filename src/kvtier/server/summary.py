@@ -16,7 +16,8 @@ def startup_summary(engine: Engine, config: ServerConfig, address: str) -> str:
     block_bytes = engine.kv_pool.bytes_per_block
     lines = [
         f"kvtier serve: model {config.model_name} ({engine.model_dir}), "
-        f"{engine.config.dtype} on {engine.device}",
+        f"{engine.config.dtype}{' (deterministic)' if engine.config.deterministic else ''} "
+        f"on {engine.device}",
         f"  device KV pool: {pool.num_blocks} blocks x {engine.config.block_size} tokens = "
         f"{format_bytes(pool.num_blocks * block_bytes)}",
         f"  tiers: {tier_line(engine)}",
