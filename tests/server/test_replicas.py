@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,37 +26,12 @@ from tests.server.serve_process import (
 )
 from tests.tiers.conftest import RedisServer, free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from local_nginx import start_nginx
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 NGINX = shutil.which("nginx")
-
-
-def nginx_config(directory: Path, replicas: list[str], port: int) -> Path:
-    """The shipped configuration with this test's ports, inside a minimal nginx.conf that
-    keeps every file nginx writes in `directory`."""
-    shipped = (REPO / "deploy/nginx/kvtier.conf").read_text()
-    ours = {
-        "server 127.0.0.1:8001 ": f"server {replicas[0]} ",
-        "server 127.0.0.1:8002 ": f"server {replicas[1]} ",
-        "listen 127.0.0.1:8000;": f"listen 127.0.0.1:{port};",
-    }
-    for theirs, mine in ours.items():
-        assert shipped.count(theirs) == 1, theirs
-        shipped = shipped.replace(theirs, mine)
-    (directory / "kvtier.conf").write_text(shipped)
-    temp = " ".join(
-        f"{kind}_temp_path {directory / kind};"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    main = directory / "nginx.conf"
-    main.write_text(
-        f"daemon off; worker_processes 1; pid {directory / 'nginx.pid'};\n"
-        f"error_log {directory / 'error.log'} warn;\n"
-        "events { worker_connections 64; }\n"
-        f"http {{ access_log off; {temp} include {directory / 'kvtier.conf'}; }}\n"
-    )
-    return main
 
 
 @pytest.fixture
@@ -69,20 +44,9 @@ def nginx(tmp_path: Path):
     processes: list[subprocess.Popen] = []
 
     def start(replicas: list[str]) -> str:
-        directory = tmp_path / "nginx"
-        directory.mkdir()
         port = free_port()
-        config = nginx_config(directory, replicas, port)
-        command = [NGINX, "-p", str(directory), "-c", str(config), "-e", str(directory / "e.log")]
-        processes.append(subprocess.Popen(command, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return f"http://127.0.0.1:{port}"
-            except OSError:
-                assert time.monotonic() < deadline, (directory / "error.log").read_text()
-                time.sleep(0.05)
+        processes.append(start_nginx(tmp_path / "nginx", replicas, port))
+        return f"http://127.0.0.1:{port}"
 
     yield start
     for process in processes:
