@@ -11,34 +11,14 @@ import pytest
 import torch
 
 from kvtier.engine import prefill_attention
-from kvtier.engine.kv_pool import KVPool
+from tests.engine.test_attention import filled_pool, shuffled_tables
 
-LAYERS, HEADS, KV_HEADS, DIM, BS = 2, 9, 3, 64, 16
+HEADS, KV_HEADS, DIM, BS = 9, 3, 64, 16
 SCALE = DIM**-0.5
 
 pytestmark = pytest.mark.skipif(
     not prefill_attention.available(), reason="needs AVX512_BF16 and a C++ compiler"
 )
-
-
-def filled_pool(blocks: int = 600) -> KVPool:
-    block_bytes = LAYERS * 2 * KV_HEADS * BS * DIM * 2
-    pool = KVPool(LAYERS, KV_HEADS, DIM, BS, torch.bfloat16, "cpu", blocks * block_bytes)
-    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)) * 2)
-    return pool
-
-
-def tables_for(pool: KVPool, lengths: list[int], seed: int) -> torch.Tensor:
-    """Distinct, shuffled block ids per sequence, padded with zeros."""
-    order = torch.randperm(pool.num_blocks, generator=torch.Generator().manual_seed(seed))
-    width = max(-(-n // BS) for n in lengths)
-    tables = torch.zeros(len(lengths), width, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lengths):
-        count = -(-n // BS)
-        tables[i, :count] = order[used : used + count]
-        used += count
-    return tables
 
 
 def random_rows(n: int) -> torch.Tensor:
@@ -61,9 +41,9 @@ def run(pool, layer, q, tables, spans, threads=None):
 
 
 def test_rows_are_attention_over_their_keys():
-    pool = filled_pool()
+    pool = filled_pool(torch.bfloat16, blocks=600)
     lengths = [700, 33]
-    tables = tables_for(pool, lengths, seed=1)
+    tables = shuffled_tables(pool, lengths, seed=1)
     q = random_rows(201)
     out = run(pool, 1, q, tables, [(0, 500, 200), (1, 32, 1)])
     for row, (seq, pos) in [(0, (0, 500)), (150, (0, 650)), (199, (0, 699)), (200, (1, 32))]:
@@ -78,9 +58,9 @@ def test_rows_are_attention_over_their_keys():
 
 
 def test_a_token_gets_the_same_bits_decoded_alone_batched_or_inside_any_prefill_chunk():
-    pool = filled_pool()
+    pool = filled_pool(torch.bfloat16, blocks=600)
     length = 1300
-    tables = tables_for(pool, [length, 900, 77, 1500], seed=2)
+    tables = shuffled_tables(pool, [length, 900, 77, 1500], seed=2)
     q = random_rows(length)
     whole = run(pool, 0, q, tables, [(0, 0, length)])
     rng = random.Random(3)
