@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from kvtier.compress import CompressionConfig, PressSpec
 from kvtier.engine import Engine, EngineConfig, SamplingParams, prefill_attention
 from kvtier.engine.engine import default_namespace
 from kvtier.errors import KvtierError
@@ -119,3 +120,16 @@ def test_its_kv_is_namespaced_apart_from_the_default_mode(engine: Engine):
     decode-written blocks round otherwise)."""
     assert engine.namespace == default_namespace(engine.model_dir, "bfloat16", deterministic=True)
     assert engine.namespace != default_namespace(engine.model_dir, "bfloat16")
+
+
+def test_a_press_that_scores_attention_is_refused_and_the_pipeline_kept(engine: Engine):
+    """h2o reads attention weights, which this mode never computes: refused, and the engine
+    keeps serving with the pipeline it had."""
+    h2o = CompressionConfig(presses=[PressSpec(name="h2o", keep_tokens=64)])
+    before = engine.config.compression
+    with pytest.raises(KvtierError, match="attention observers"):
+        engine.set_compression(h2o)
+    assert engine.config.compression is before and engine.compressor is None
+    assert not engine.model.attention.observers
+    (out,) = engine.generate([tokens(random.Random(4), 100)], greedy(4))
+    assert out.finish_reason == "length"

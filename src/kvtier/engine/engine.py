@@ -702,16 +702,19 @@ class Engine:
         with self._lock:
             if self.scheduler.has_unfinished:
                 raise KvtierError("set_compression: wait until no request is in flight")
-            if self.compressor is not None and self.compressor.recorder is not None:
-                self.remove_attention_observer(self.compressor.recorder)
-            self.compressor = None
             compression = self._fit_to_pool(compression)
+            compressor = None
             if compression is not None and not compression.is_identity:
-                self.compressor = Compressor(
+                compressor = Compressor(
                     compression, self.kv_pool, self.kv_manager, self.model_config.num_heads
                 )
-                if self.compressor.recorder is not None:
-                    self.add_attention_observer(self.compressor.recorder)
+                # attached before the old pipeline goes: a refusal (deterministic mode) leaves
+                # the engine with the pipeline it had
+                if compressor.recorder is not None:
+                    self.add_attention_observer(compressor.recorder)
+            if self.compressor is not None and self.compressor.recorder is not None:
+                self.remove_attention_observer(self.compressor.recorder)
+            self.compressor = compressor
             self.config.compression = compression
 
     def _fit_to_pool(self, compression: CompressionConfig | None) -> CompressionConfig | None:
