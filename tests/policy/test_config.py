@@ -233,7 +233,8 @@ def test_request_overrides_are_validated():
     with pytest.raises(KvtierError, match=r"request\.priority.*less than or equal to 8"):
         parse_request_overrides({"priority": 99})
     with pytest.raises(
-        KvtierError, match=r"request\.pinned: unknown key; allowed here: pin, priority, ttl_s"
+        KvtierError,
+        match=r"request\.pinned: unknown key; allowed here: close, expect_return_s, priority, pin, ttl_s",
     ):
         parse_request_overrides({"pinned": True})
 

@@ -52,7 +52,7 @@ def test_long_session_that_returns_soon_is_kept_or_offloaded(kv):
 def test_long_session_is_kept_when_its_class_is_known_to_return(kv):
     predictor = ReusePredictor()
     for gap in (12, 15, 18, 20, 22, 25) * 20:
-        predictor.record_gap(("default", "chat"), gap)
+        predictor.record_gap(("default", "chat", None, None), gap)
     policy = CostPolicy(kv.slow_model(), predictor)
     v = kv.view([kv.session("a", 6144)], CAPACITY, other_used={"device": 30 * GB})
     for now in (5.0, 10.0, 15.0):
@@ -64,7 +64,7 @@ def test_long_session_is_kept_when_its_class_is_known_to_return(kv):
 def _never_returns() -> ReusePredictor:
     predictor = ReusePredictor()
     for _ in range(500):
-        predictor.record_no_return(("default", "oneshot"))
+        predictor.record_no_return(("default", "oneshot", None, None))
     return predictor
 
 
@@ -318,8 +318,8 @@ def test_sessions_still_idle_count_against_an_early_return(kv):
     # a decision shows the policy both, so a session idle 50 s is not taken as due back
     predictor = ReusePredictor()
     for gap in (12, 15, 18, 20) * 30:
-        predictor.record_gap(("default", "chat"), gap)
-    key = ("default", "chat")
+        predictor.record_gap(("default", "chat", None, None), gap)
+    key = ("default", "chat", None, None)
     finished_only = predictor.p_reuse(key, 50.0, 150.0)
     policy = CostPolicy(kv.slow_model(), predictor)
     idle = [kv.session(f"old{i:02}", 256, tier="host", idle_since=0.0) for i in range(40)]
@@ -367,7 +367,7 @@ def _learned(kv):
     policy = CostPolicy(kv.slow_model())
     predictor = policy.predictor
     rng = np.random.default_rng(5)
-    keys = (("t", "chat"), ("t", "api"))
+    keys = (("t", "chat", None, None), ("t", "api", None, None))
     for i in range(40):
         for _ in range(5):
             gap = float(rng.lognormal(3.0, 1.5))

@@ -171,8 +171,10 @@ def test_the_device_keeps_the_session_due_back_within_the_time_its_space_stays_f
     to be back and `chat` is not."""
     rng = np.random.default_rng(0)
     predictor = ReusePredictor()
-    predictor.record_gaps(("default", "docqa"), rng.uniform(15.0, 30.0, 2000))
-    predictor.record_gaps(("default", "chat"), [*rng.uniform(3.0, 6.0, 200), *[7200.0] * 1800])
+    predictor.record_gaps(("default", "docqa", None, None), rng.uniform(15.0, 30.0, 2000))
+    predictor.record_gaps(
+        ("default", "chat", None, None), [*rng.uniform(3.0, 6.0, 200), *[7200.0] * 1800]
+    )
     policy = CostPolicy(kv.slow_model(), predictor=predictor)
     capacity = {"device": 2 * 8192 * kv.BYTES_PER_TOKEN, "host": 200 * GB}
     now = 0.0

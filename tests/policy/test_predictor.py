@@ -16,7 +16,7 @@ from kvtier.policy.tracker import Abandoned, Returned, TurnTracker
 from kvtier.policy.view import PolicyView, SessionView, TierView, TurnView
 from kvtier.policy.view_diff import Changes
 
-KEY = ("tenant", "chat")
+KEY = ("tenant", "chat", None, None)
 
 
 def _phi(z: float) -> float:
@@ -84,17 +84,21 @@ def test_keys_learn_separately_and_new_keys_start_from_the_pool():
         predictor.record_gap(slow, 300.0)
     assert predictor.p_reuse(fast, 0.0, 10.0) > 0.9
     assert predictor.p_reuse(slow, 0.0, 10.0) < 0.1
-    newcomer = predictor.p_reuse(("other", "x"), 0.0, 10.0)
+    newcomer = predictor.p_reuse(("other", "x", None, None), 0.0, 10.0)
     assert newcomer == pytest.approx(0.5, abs=0.05)  # half the pooled sessions return in 3 s
 
 
 def test_memory_is_bounded_by_max_keys():
     predictor = ReusePredictor(max_keys=2)
     for _ in range(200):
-        predictor.record_gap(("t", "a"), 3.0)
-    predictor.record_gap(("t", "b"), 300.0)
-    predictor.record_gap(("t", "c"), 300.0)  # evicts ("t", "a"), the least recently updated
-    assert predictor.p_reuse(("t", "a"), 0.0, 10.0) == predictor.p_reuse(("new", "x"), 0.0, 10.0)
+        predictor.record_gap(("t", "a", None, None), 3.0)
+    predictor.record_gap(("t", "b", None, None), 300.0)
+    predictor.record_gap(
+        ("t", "c", None, None), 300.0
+    )  # evicts ("t", "a"), the least recently updated
+    assert predictor.p_reuse(("t", "a", None, None), 0.0, 10.0) == predictor.p_reuse(
+        ("new", "x", None, None), 0.0, 10.0
+    )
 
 
 def test_accepts_a_session_or_a_key():
@@ -208,7 +212,9 @@ def test_age_floor_steps_at_the_bin_edges():
     floor = predictor.age_floor(ages)
     assert floor.tolist() == [0.0, 0.0, edges[5], edges[5], edges[5], 3600.0, 3600.0]
     # conditioning on the floor moves a schedule in steps: the same within a bin
-    within = predictor.p_reuse_many(("t", "chat"), predictor.age_floor(ages[2:5]), np.full(3, 5.0))
+    within = predictor.p_reuse_many(
+        ("t", "chat", None, None), predictor.age_floor(ages[2:5]), np.full(3, 5.0)
+    )
     assert within[0] == within[1] == within[2]
 
 
@@ -262,8 +268,8 @@ def test_cdf_with_log_widths_taken_once_per_bin_is_the_per_element_formula():
     predictor = ReusePredictor()
     rng = np.random.default_rng(4)
     for _ in range(200):
-        predictor.record_gap(("chat", "a"), float(rng.exponential(120.0)), "s")
-    cdf = predictor._distribution(("chat", "a"))[0]
+        predictor.record_gap(("chat", "a", None, None), float(rng.exponential(120.0)), "s")
+    cdf = predictor._distribution(("chat", "a", None, None))[0]
     edges = predictor.edges
     x = np.concatenate([[0.0, 0.5, 1.0, edges[-1], 2 * edges[-1]], rng.uniform(0, 4000, 5000)])
     clipped = np.clip(x, 0.0, edges[-1])
@@ -341,13 +347,13 @@ def test_running_gaps_follow_the_views_changes():
     b = SessionView("b", "t", "api", idle_since=40.0)
     running.update(Changes((a, b), ()))
     ages = running.ages(100.0)
-    assert ages[("t", "chat")].tolist() == [90.0] and ages[("t", "api")].tolist() == [60.0]
+    assert ages[("t", "chat", None, None)].tolist() == [90.0] and ages[("t", "api", None, None)].tolist() == [60.0]
     # a returns (active again) and b leaves the view: nothing of either is still running
     running.update(Changes((dataclasses.replace(a, active=True, idle_since=None),), ("b",)))
     assert running.ages(100.0) == {}
     # a idle again, from a later turn: only its new gap runs
     running.update(Changes((dataclasses.replace(a, idle_since=95.0),), ()))
-    assert running.ages(100.0)[("t", "chat")].tolist() == [5.0]
+    assert running.ages(100.0)[("t", "chat", None, None)].tolist() == [5.0]
 
 
 def test_running_gaps_keep_each_keys_idle_sessions_through_many_changes():

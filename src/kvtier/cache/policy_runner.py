@@ -168,6 +168,7 @@ class PolicyRunner:
             if stored is not None:
                 access = last.ended_at if last.ended_at is not None else last.started_at
                 chunks = self._chunk_views(stored.keys, stored.namespace, access)
+            hints = last.hints
             sessions.append(
                 SessionView(
                     session_id=session_id,
@@ -176,6 +177,10 @@ class PolicyRunner:
                     chunks=chunks,
                     active=active,
                     idle_since=None if active else last.ended_at,
+                    pinned=hints.pin,
+                    priority=hints.priority,
+                    ttl_s=hints.ttl_s,
+                    hints=hints,
                 )
             )
         pool = c.block_pool
@@ -226,6 +231,7 @@ def _turn_views(turns: Sequence[TurnRecord]) -> tuple[TurnView, ...]:
     from a device that had room for it."""
     views, before = [], 0
     for t in turns:
-        views.append(TurnView(t.started_at, max(0, t.num_prompt_tokens - before), t.ended_at))
+        added = max(0, t.num_prompt_tokens - before)
+        views.append(TurnView(t.started_at, added, t.ended_at, t.end, t.tool))
         before = t.num_prompt_tokens
     return tuple(views)

@@ -48,6 +48,7 @@ from kvtier.errors import KvtierError
 from kvtier.models import resolve_model_dir
 from kvtier.models.identity import model_digest
 from kvtier.models.tokenizer import chat_token_ids, load_tokenizer
+from kvtier.session_hints import NO_HINTS, EndKind, SessionHints
 
 log = logging.getLogger(__name__)
 
@@ -196,13 +197,16 @@ class Engine:
         request_id: str | None = None,
         session_id: str | None = None,
         tenant: str | None = None,
+        hints: SessionHints = NO_HINTS,
     ) -> str:
         """Queue a request (text, token ids, or chat messages); returns its id.
 
         `tenant` salts the block keys: requests of different tenants never share KV.
+        `hints` (with a `session_id`) tell the retention policy about the session's future.
         Raises KvtierError for input that cannot be served (empty, too long, bad params).
         """
-        return self._add(prompt, sampling_params, request_id, session_id, tenant).request_id
+        request = self._add(prompt, sampling_params, request_id, session_id, tenant, hints=hints)
+        return request.request_id
 
     def _add(
         self,
@@ -212,6 +216,7 @@ class Engine:
         session_id: str | None,
         tenant: str | None,
         return_prompt_logits: bool = False,
+        hints: SessionHints = NO_HINTS,
     ) -> Request:
         params = _to_params(sampling_params)
         token_ids = self._tokenize(prompt)
@@ -234,7 +239,7 @@ class Engine:
                 self.tokenizer, token_ids, params.stop
             )
             if session_id is not None:
-                self.sessions.start_turn(session_id, request_id, len(token_ids))
+                self.sessions.start_turn(session_id, request_id, len(token_ids), hints)
             self.scheduler.add(request)
             if self.connector is not None:
                 self.connector.on_request_added(request)
@@ -522,7 +527,8 @@ class Engine:
             del self._detokenizers[request.request_id]
             kv_tokens_held, kv_bytes_held = self._forget_kv(request.request_id)
             if request.session_id is not None:
-                self.sessions.end_turn(request.request_id)
+                ended = "length" if request.finish_reason is FinishReason.LENGTH else "answer"
+                self.sessions.end_turn(request.request_id, ended)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -624,6 +630,7 @@ class Engine:
         request_id: str | None = None,
         session_id: str | None = None,
         tenant: str | None = None,
+        hints: SessionHints = NO_HINTS,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are produced; the last has finished=True.
 
@@ -646,7 +653,7 @@ class Engine:
         self._subscribers[request_id] = deliver
         try:
             await asyncio.to_thread(
-                self.add_request, prompt, sampling_params, request_id, session_id, tenant
+                self.add_request, prompt, sampling_params, request_id, session_id, tenant, hints
             )
         except BaseException:
             self._subscribers.pop(request_id, None)
@@ -761,6 +768,15 @@ class Engine:
         not cached are left alone, so a stale list is harmless."""
         with self._lock:
             return self.block_pool.drop_cached(list(block_ids))
+
+    def mark_turn_end(
+        self, session_id: str, request_id: str, end: EndKind, tool: str | None = None
+    ) -> bool:
+        """Record how a finished turn's reply ended, as the caller parsed it (a tool call:
+        the engine itself only tells an answer from the length limit). The retention policy
+        learns return times per end kind and tool. False when the session is forgotten."""
+        with self._lock:
+            return self.sessions.mark_end(session_id, request_id, end, tool)
 
     def pin_blocks(self, block_ids: Iterable[int]) -> list[int]:
         """Hold a reference on cached blocks so the LRU never evicts them (a pinned session).

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvtier.clock import Clock, RealClock
+from kvtier.session_hints import NO_HINTS, EndKind, SessionHints
 
 
 class TurnKind(enum.StrEnum):
@@ -34,6 +35,9 @@ class TurnRecord:
     started_at: float
     num_cached_tokens: int | None = None  # set when the turn is first scheduled
     ended_at: float | None = None
+    end: EndKind | None = None  # how its reply ended (a server that parses tool calls says)
+    tool: str | None = None  # the first tool its reply called
+    hints: SessionHints = NO_HINTS  # what its request said about the session's future
 
     @property
     def prefix_on_device(self) -> float | None:
@@ -72,7 +76,13 @@ class SessionTracker:
         self._turn_count: dict[str, int] = {}
         self._by_request: dict[str, TurnRecord] = {}
 
-    def start_turn(self, session_id: str, request_id: str, num_prompt_tokens: int) -> TurnRecord:
+    def start_turn(
+        self,
+        session_id: str,
+        request_id: str,
+        num_prompt_tokens: int,
+        hints: SessionHints = NO_HINTS,
+    ) -> TurnRecord:
         now = self.clock.now()
         self._forget_idle(now)
         turns = self.sessions.get(session_id)
@@ -100,6 +110,7 @@ class SessionTracker:
             gap_s=gap,
             num_prompt_tokens=num_prompt_tokens,
             started_at=now,
+            hints=hints,
         )
         turns.append(record)
         self._by_request[request_id] = record
@@ -125,10 +136,20 @@ class SessionTracker:
         if record is not None:
             record.num_cached_tokens = num_cached_tokens
 
-    def end_turn(self, request_id: str) -> None:
+    def end_turn(self, request_id: str, end: EndKind | None = None) -> None:
         record = self._by_request.pop(request_id, None)
         if record is not None:
             record.ended_at = self.clock.now()
+            record.end = record.end or end
+
+    def mark_end(self, session_id: str, request_id: str, end: EndKind, tool: str | None) -> bool:
+        """Say how turn `request_id` of the session ended, once its reply is parsed (a tool
+        call is known only to the server's parser). False when the session or turn is gone."""
+        for record in reversed(self.sessions.get(session_id, ())):
+            if record.request_id == request_id:
+                record.end, record.tool = end, tool
+                return True
+        return False
 
     def turns(self, session_id: str) -> list[TurnRecord]:
         return list(self.sessions.get(session_id, []))

@@ -43,6 +43,7 @@ from kvtier.policy.cost_model import (
 )
 from kvtier.policy.predictor import GapPrior, ReusePredictor
 from kvtier.policy.ttl import DEFAULT_TTL_S
+from kvtier.policy.view import SessionHints
 from kvtier.toml_table import read_table, setting_value
 
 ENV_PREFIX = "KVTIER_POLICY__"
@@ -295,13 +296,18 @@ class PolicyConfig(_Section):
 
 
 class RequestOverrides(_Section):
-    """Per-session retention hints, as `SessionView` carries them to the policies (`pin` is
-    its `pinned`). Validated here; no request path sets them yet (not `kvtier serve`, the
-    engine or the simulator)."""
+    """A request's session hints as a client sends them (`SessionHints` documents each);
+    every request path (`kvtier serve`'s body and headers, vLLM's `kv_transfer_params`,
+    trace files) validates them here."""
 
-    pin: bool = False
+    close: bool = False
+    expect_return_s: Annotated[float, Field(ge=0, le=7 * 24 * 3600)] | None = None
     priority: Annotated[int, Field(ge=-8, le=8)] = 0
-    ttl_s: PositiveFloat | None = None
+    pin: bool = False
+    ttl_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None
+
+    def hints(self) -> SessionHints:
+        return SessionHints(**self.model_dump())
 
 
 def parse_request_overrides(data: Mapping[str, Any]) -> RequestOverrides:
@@ -309,7 +315,12 @@ def parse_request_overrides(data: Mapping[str, Any]) -> RequestOverrides:
         return RequestOverrides.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(error, "request", {}, RequestOverrides) for error in exc.errors()]
-        raise KvtierError("invalid retention hints: " + "; ".join(lines)) from None
+        raise KvtierError("invalid session hints: " + "; ".join(lines)) from None
+
+
+def parse_session_hints(data: Mapping[str, Any]) -> SessionHints:
+    """`data` validated (a one-line KvtierError naming the field otherwise)."""
+    return parse_request_overrides(data).hints()
 
 
 # One assignment to the [policy] table: its key path, the value, and where it came from.

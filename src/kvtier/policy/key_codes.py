@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Key = tuple[str, str]  # (tenant, app_class)
+Key = tuple[str, str, str | None, str | None]  # `SessionView.reuse_key`
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvtier.policy.view import PolicyView, SessionView
+from kvtier.policy.view import PolicyView, ReuseKey, SessionView
 from kvtier.policy.view_diff import Changes, diff
 
 
 @dataclass(frozen=True)
 class Returned:
     session_id: str
-    key: tuple[str, str]
+    key: ReuseKey
     gap_s: float  # from the end of the previous turn to this arrival
     at: float  # arrival time
 
@@ -23,7 +23,7 @@ class Returned:
 @dataclass(frozen=True)
 class Abandoned:
     session_id: str
-    key: tuple[str, str]
+    key: ReuseKey
     at: float  # when the session's idle time passed the cut-off
 
 
@@ -87,7 +87,7 @@ class TurnTracker:
             if ended is not None and not (abandoned and i == seen):
                 gap = turns[i].arrival - ended
                 events.append(
-                    Returned(session.session_id, session.reuse_key, gap, turns[i].arrival)
+                    Returned(session.session_id, session.key_after(i - 1), gap, turns[i].arrival)
                 )
         abandoned = abandoned and len(turns) == seen
         if not abandoned and session.idle and session.idle_s(now) >= self.max_age_s:

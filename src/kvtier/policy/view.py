@@ -14,9 +14,15 @@ from functools import cached_property
 from typing import Literal
 
 # TIERS is fastest first; every list of tiers in this package is in this order.
+from kvtier.session_hints import NO_HINTS as NO_HINTS  # re-exported: policies name them here
+from kvtier.session_hints import EndKind as EndKind
+from kvtier.session_hints import SessionHints as SessionHints
 from kvtier.vocab import FULL, TIER_RANK, TIERS
 
 Reason = Literal["timer", "pressure"]
+# What a reuse predictor learns return times by: (tenant, app class, how the turn before the
+# gap ended, the first tool it called). Unknown end kinds and tools are None.
+ReuseKey = tuple[str, str, str | None, str | None]
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,8 @@ class TurnView:
     arrival: float  # when the request arrived
     prompt_tokens: int  # tokens the turn added to the context (prompt + its reply)
     finished: float | None = None  # when its reply ended; None while it runs
+    end: EndKind | None = None  # how the reply ended; None while it runs or when unknown
+    tool: str | None = None  # the first tool the reply called (end == "tool_call")
 
 
 @dataclass(frozen=True)
@@ -44,10 +52,8 @@ class ChunkView:
 @dataclass(frozen=True)
 class SessionView:
     """One conversation. `active` sessions are running or queued: their KV is in use and no
-    policy touches it. Per-request overrides travel here: `pinned` (never moved or dropped),
-    `priority` (each level doubles the value the cost policy puts on its latency; LRU-based
-    policies evict lower priorities first) and `ttl_s` (kept in place for at least this long
-    after it goes idle)."""
+    policy touches it. The client's hints for it travel in `hints` (`SessionHints`); `pinned`,
+    `priority` and `ttl_s` are the overrides in force (a pin past the tenant's quota is not)."""
 
     session_id: str
     tenant: str = "default"
@@ -59,12 +65,25 @@ class SessionView:
     pinned: bool = False
     priority: int = 0
     ttl_s: float | None = None
+    hints: SessionHints = NO_HINTS
 
     @cached_property
-    def reuse_key(self) -> tuple[str, str]:
-        """What the reuse predictor learns gap statistics by (kept: the predictor asks it of
-        every candidate at every decision, and a view is reused until its session changes)."""
-        return (self.tenant, self.app_class)
+    def reuse_key(self) -> ReuseKey:
+        """What the reuse predictor learns gap statistics by: the key of the gap after the
+        latest turn (kept: the predictor asks it of every candidate at every decision, and a
+        view is reused until its session changes)."""
+        return self.key_after(len(self.turns) - 1)
+
+    def key_after(self, index: int) -> ReuseKey:
+        """The key of the gap that follows turn `index` (-1 or no turns: end unknown)."""
+        if 0 <= index < len(self.turns):
+            turn = self.turns[index]
+            return (self.tenant, self.app_class, turn.end, turn.tool)
+        return (self.tenant, self.app_class, None, None)
+
+    @property
+    def last_end(self) -> EndKind | None:
+        return self.turns[-1].end if self.turns else None
 
     @property
     def idle(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.session_hints import NO_HINTS, EndKind, SessionHints
 from kvtier.workload.blocks import BlockHasher, Segment, common_full_blocks, content_key
 
 
@@ -26,6 +27,9 @@ class Turn:
     prompt_tokens: int | None = None  # whole prompt as a trace recorded it; None: rebuilt
     hash_ids: tuple[int, ...] = ()  # the trace's prefix block ids (Workload.block_size tokens)
     think_s: float | None = None  # user's pause after the previous answer, when known
+    end: EndKind | None = None  # how the reply ends: "tool_call" (its tool runs, then the
+    tool: str | None = None  # agent returns with the result), "answer", "length"; None: unknown
+    hints: SessionHints = NO_HINTS  # what the client sends about the session with this turn
 
 
 @dataclass
@@ -69,6 +73,9 @@ class Request:
     block_tokens: float  # tokens each hash id covers (the last block may be partial)
     messages: list[dict[str, str]]  # OpenAI chat messages; empty for length-only traces
     think_s: float | None
+    end: EndKind | None = None  # how its reply ends (Turn.end), and the tool it calls
+    tool: str | None = None
+    hints: SessionHints = NO_HINTS
 
 
 def flatten(workload: Workload, max_history_tokens: int | None = None) -> list[Request]:
@@ -132,6 +139,9 @@ def _session_requests(
                 block_tokens=block_tokens,
                 messages=messages,
                 think_s=turn.think_s,
+                end=turn.end,
+                tool=turn.tool,
+                hints=turn.hints,
             )
         )
     return requests
