@@ -385,7 +385,11 @@ class Replica:
     def _end_turn(self, r: SimRequest) -> None:
         session, now = r.session, self.loop.now
         if session.busy:
-            session.turns[-1] = replace(session.turns[-1], finished=now)
+            turn = r.request  # how its reply ended is known now, and the client's hints
+            session.turns[-1] = replace(
+                session.turns[-1], finished=now, end=turn.end, tool=turn.tool
+            )
+            session.hints = turn.hints
             session.busy = session.active = False
             session.idle_since = now
             session.changed()

@@ -35,6 +35,7 @@ class SimRequest:
         "phases",
         "prompt",
         "record",
+        "request",
         "reserve",
         "segment",
         "segments",
@@ -45,6 +46,7 @@ class SimRequest:
 
     def __init__(self, request: Request, session: SimSession, record: RequestRecord) -> None:
         self.record = record
+        self.request = request  # what the workload says of the turn (how its reply ends)
         self.session = session
         self.prompt = request.prompt_tokens
         self.output = max(1, request.output_tokens)

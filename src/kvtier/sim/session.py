@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvtier.policy.view import ChunkView, SessionView, TurnView
+from kvtier.policy.view import NO_HINTS, ChunkView, SessionView, TurnView
 from kvtier.tiers.store import Chunk
 from kvtier.vocab import FULL
 
@@ -37,6 +37,7 @@ class SimSession:
         "forms",
         "full",
         "hash_ids",
+        "hints",
         "idle_since",
         "pending",
         "prompt_tokens",
@@ -65,6 +66,7 @@ class SimSession:
         self.busy = False  # a turn is queued or running
         self.active = False  # ... and its KV is in use: restored, loading or computed
         self.idle_since: float | None = None
+        self.hints = NO_HINTS  # what the client said with its latest finished turn
         self.hash_ids: tuple[int, ...] = ()  # prefix block ids of the last prompt
         self.block_tokens = 1.0
         self.prompt_tokens = 0  # of the last turn
@@ -137,5 +139,9 @@ class SimSession:
                 chunks=chunks,
                 active=self.active,
                 idle_since=self.idle_since,
+                pinned=self.hints.pin,
+                priority=self.hints.priority,
+                ttl_s=self.hints.ttl_s,
+                hints=self.hints,
             )
         return self._view

@@ -52,6 +52,21 @@ class AppClassSpec(BaseModel):
     set: dict[str, Any] = Field(default_factory=dict, description="fields that differ")
 
 
+class ToolSpec(BaseModel):
+    """One tool an agent calls: how often it is picked among the tools, how long it runs
+    (lognormal: median and sigma, seconds) and how long its result is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    share: float = Field(gt=0, description="relative share of the calls")
+    duration_median_s: float = Field(gt=0, description="median run time, s")
+    duration_sigma: float = Field(0.8, ge=0, description="lognormal sigma of the run time")
+    result_tokens: LengthDist
+
+    def duration(self, rng: np.random.Generator) -> float:
+        return float(rng.lognormal(math.log(self.duration_median_s), self.duration_sigma))
+
+
 # population-level fields a class may not override: they shape arrivals, not sessions
 POPULATION_FIELDS = ("sessions", "session_rate", "arrival_cv", "apps", "tenants", "classes")
 
@@ -95,6 +110,21 @@ class GeneratorConfig(BaseModel):
         50.0, gt=0, description="answer speed assumed to place the next turn on the trace clock"
     )
     block_size: int = Field(16, ge=1, description="tokens per prefix block id")
+    tools: dict[str, ToolSpec] | None = Field(
+        None, description="tools its sessions call (name -> share, run time, result length)"
+    )
+    tool_call_share: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="share of replies that end in a tool call (with tools): the agent comes "
+        "back when the tool returns, with its result as the next message",
+    )
+    hints: bool = Field(
+        False,
+        description="the client sends session hints: the expected return after a tool call "
+        "(the tool's median run time) and close on a session's last turn",
+    )
     classes: dict[str, AppClassSpec] | None = Field(
         None,
         description="app classes whose sessions behave differently (name -> share and "
@@ -105,6 +135,8 @@ class GeneratorConfig(BaseModel):
     def _consistent(self) -> GeneratorConfig:
         if self.document_share > 0 and self.document_tokens is None:
             raise ValueError("document_share > 0 needs document_tokens")
+        if self.tool_call_share > 0 and not self.tools:
+            raise ValueError("tool_call_share > 0 needs tools")
         if self.mean_turns > self.max_turns:
             raise ValueError(f"mean_turns {self.mean_turns} exceeds max_turns {self.max_turns}")
         for name, spec in (self.classes or {}).items():

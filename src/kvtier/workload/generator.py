@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from kvtier.session_hints import SessionHints
 from kvtier.workload.config import GeneratorConfig
 from kvtier.workload.model import Session, Turn, Workload
 from kvtier.workload.presets import preset_config
@@ -48,6 +49,8 @@ def generate(
         for _ in range(config.apps)
     ]
     classes = _classes(rng, config, corpus, length)
+    # where any session calls tools, every reply says how it ended, as a server's would
+    ends_known = bool(config.tools) or any(c.tools for _, c, _ in classes)
     starts = session_starts(rng, config.sessions, config.session_rate, config.arrival_cv)
     sessions = []
     for index, start in enumerate(starts):
@@ -61,7 +64,7 @@ def generate(
         tenant = int(rng.integers(config.tenants))
         session = Session(
             session_id=f"s{index:05d}",
-            turns=_turns(rng, drawn_from, corpus, length, float(start)),
+            turns=_turns(rng, drawn_from, corpus, length, float(start), ends_known),
             tenant=f"tenant{tenant}",
             app_class=app_class,
             system_prompt=system_prompt,
@@ -122,12 +125,13 @@ def _turns(
     corpus: Corpus,
     length: LengthFn,
     start: float,
+    ends_known: bool = False,
 ) -> list[Turn]:
     with_document = config.document_tokens is not None and rng.random() < config.document_share
     turns: list[Turn] = []
-    arrival, think = start, None
+    arrival, think, result = start, None, None
     while True:
-        target = config.user_tokens.sample(rng)
+        target = result.result_tokens.sample(rng) if result else config.user_tokens.sample(rng)
         if with_document and not turns:
             target += config.document_tokens.sample(rng)
         user_text, user_tokens = corpus.text_of_tokens(rng, target, length)
@@ -143,7 +147,28 @@ def _turns(
             think_s=think,
         )
         turns.append(turn)
-        if len(turns) >= config.max_turns or rng.random() < config.abandon_prob:
+        # No draws for workloads without tools: their sessions stay as they were generated.
+        tool = _tool_call(rng, config) if config.tools else None
+        if ends_known:
+            turn.end, turn.tool = ("tool_call", tool) if tool else ("answer", None)
+        if len(turns) >= config.max_turns or (tool is None and rng.random() < config.abandon_prob):
+            if config.hints:
+                turn.hints = SessionHints(close=True)
             return turns
-        think = think_time(rng, config)
+        if tool is not None:
+            result = config.tools[tool]
+            think = result.duration(rng)  # the agent returns when its tool does
+            if config.hints:
+                turn.hints = SessionHints(expect_return_s=result.duration_median_s)
+        else:
+            result, think = None, think_time(rng, config)
         arrival = next_arrival(turn, think, config.decode_tok_s)
+
+
+def _tool_call(rng: np.random.Generator, config: GeneratorConfig) -> str | None:
+    """The tool this reply calls, or None when it is an answer."""
+    if rng.random() >= config.tool_call_share:
+        return None
+    names = list(config.tools or {})
+    shares = np.array([config.tools[name].share for name in names])
+    return names[int(rng.choice(len(names), p=shares / shares.sum()))]

@@ -19,6 +19,19 @@
   turns, a long tool-description system prompt. `chat`: people who return after minutes or
   leave (about 2.5 turns). `docqa`: questions about one long document every session shares
   (a 12K-token system prompt), a follow-up after tens of seconds or a pause of minutes.
+- `agentic`: coding agents beside chats, with the signals production traffic carries. An
+  `agent` session works a task in a tool loop: 96% of its replies are tool calls (25 calls a
+  task on average) and it returns when the tool does, with the result as its next message; an
+  answer ends the task, and the user leaves or brings a new task after a pause. Tools differ
+  in run time and result size: file reads and searches return in a fraction of a second, edits
+  in about one, web lookups in seconds, test runs in tens of seconds to minutes (vLLM's AgentX
+  traffic: median 43 turns and 142K input tokens a session; Continuum, arXiv 2511.02230:
+  tool calls from sub-second functions to long test runs on SWE-Bench and OpenHands). The run
+  times are our assumption in those ranges. Histories grow past 100K tokens (the oldest turns
+  drop beyond 110K, so a prompt and its reply fit 128K). A `chat` session ends in answers, returns after minutes or leaves.
+  Replies say how they ended (tool call or answer) and which tool they called; no hints.
+- `agentic-hints`: `agentic` with the client's hints: after a tool call, the expected return
+  (the tool's median run time); on a session's last turn, close.
 """
 
 from __future__ import annotations
@@ -138,6 +151,86 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+
+_AGENT_TOOLS: dict[str, Any] = {
+    "read_file": {
+        "share": 0.35,
+        "duration_median_s": 0.2,
+        "duration_sigma": 0.6,
+        "result_tokens": {"mean": 1500, "cv": 0.8, "min_tokens": 50, "max_tokens": 8000},
+    },
+    "search": {
+        "share": 0.15,
+        "duration_median_s": 0.5,
+        "duration_sigma": 0.6,
+        "result_tokens": {"mean": 800, "cv": 0.8, "min_tokens": 50, "max_tokens": 4000},
+    },
+    "edit_file": {
+        "share": 0.25,
+        "duration_median_s": 1.0,
+        "duration_sigma": 0.5,
+        "result_tokens": {"mean": 150, "cv": 0.6, "min_tokens": 20, "max_tokens": 800},
+    },
+    "web_fetch": {
+        "share": 0.1,
+        "duration_median_s": 4.0,
+        "duration_sigma": 0.6,
+        "result_tokens": {"mean": 2500, "cv": 0.6, "min_tokens": 200, "max_tokens": 8000},
+    },
+    "run_tests": {
+        "share": 0.15,
+        "duration_median_s": 45.0,
+        "duration_sigma": 0.7,
+        "result_tokens": {"mean": 1200, "cv": 1.0, "min_tokens": 50, "max_tokens": 8000},
+    },
+}
+
+PRESETS["agentic"] = {
+    "sessions": 240,
+    "session_rate": 0.08,
+    "arrival_cv": 1.5,
+    "mean_turns": 2.0,
+    "max_turns": 120,
+    "followup_share": 0.2,
+    "followup_median_s": 20.0,
+    "pause_median_s": 300.0,
+    "system_prompt_tokens": 600,
+    "tenants": 3,
+    "user_tokens": {"mean": 120, "cv": 1.0, "min_tokens": 4, "max_tokens": 2000},
+    "answer_tokens": {"mean": 300, "cv": 0.8, "min_tokens": 8, "max_tokens": 2048},
+    "max_history_tokens": 110000,  # with the system prompt, a result and a reply: < 128K
+    "classes": {
+        "agent": {
+            "share": 0.5,
+            "set": {
+                "system_prompt_tokens": 6000,
+                "user_tokens": {"mean": 300, "cv": 1.0, "min_tokens": 16, "max_tokens": 4000},
+                "answer_tokens": {"mean": 120, "cv": 0.8, "min_tokens": 16, "max_tokens": 1024},
+                "tools": _AGENT_TOOLS,
+                "tool_call_share": 0.96,
+            },
+        },
+        "chat": {
+            "share": 0.5,
+            "set": {
+                "mean_turns": 2.5,
+                "max_turns": 20,
+                "followup_share": 0.15,
+                "pause_median_s": 180.0,
+                "pause_sigma": 1.0,
+                "document_share": 0.2,
+                "document_tokens": {
+                    "mean": 6000,
+                    "cv": 0.8,
+                    "min_tokens": 1000,
+                    "max_tokens": 30000,
+                },
+            },
+        },
+    },
+}
+PRESETS["agentic-hints"] = {**PRESETS["agentic"], "hints": True}
 
 
 def preset_config(name: str, **overrides: Any) -> GeneratorConfig:
