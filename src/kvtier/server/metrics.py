@@ -235,6 +235,19 @@ class ServerMetrics:
             ["model_name", "tenant", "status"],
             registry=r,
         )
+        self.session_hints = Counter(
+            "kvtier:session_hints",
+            "Requests carrying each session hint (close, expect_return_s, priority, pin, ttl_s).",
+            ["model_name", "tenant", "hint"],
+            registry=r,
+        )
+        self.session_pins_over_quota = Counter(
+            "kvtier:session_pins_over_quota",
+            "Pin hints whose session's blocks did not fit the tenant's device quota when the "
+            "turn ended (left unpinned).",
+            mt,
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvtier:time_to_first_token_seconds",
             "Time to first token.",

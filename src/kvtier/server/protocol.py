@@ -81,6 +81,8 @@ class _SamplingFields(_Model):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    kvtier_session: dict[Text, Any] | None = None  # session hints: session_hints_request.py
+    nvext: dict[Text, Any] | None = None  # Dynamo's extensions: agent_hints.priority is read
     ignore_eos: StrictBool | None = None  # vLLM extension
     stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: Number | None = Field(default=None, ge=-2, le=2)  # accepted, not applied

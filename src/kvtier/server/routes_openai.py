@@ -1,6 +1,6 @@
 """The OpenAI API: /v1/models, /v1/chat/completions, /v1/completions.
 
-A generation request is checked (model, limits, sampling parameters, session id) and
+A generation request is checked (model, limits, sampling parameters, session id and hints) and
 tokenized here, admitted by `ServerState.acquire`, and answered by `responses`.
 """
 
@@ -22,6 +22,8 @@ from kvtier.server.api_errors import APIError
 from kvtier.server.auth import Auth, Caller
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.responses import complete, sse
+from kvtier.server.session_hint_effects import SessionHintEffects
+from kvtier.server.session_hints_request import read_session_hints
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine
@@ -36,6 +38,7 @@ def openai_router(state: ServerState) -> APIRouter:
     engine, config = state.engine, state.config
     router = APIRouter()
     caller_dep = Depends(Auth(config).caller)
+    hint_effects = SessionHintEffects(state)
 
     @router.get("/v1/models")
     async def models(who: Caller = caller_dep) -> dict[str, Any]:
@@ -118,10 +121,17 @@ def openai_router(state: ServerState) -> APIRouter:
         default = min(config.max_tokens_default, room, config.max_output_tokens or room)
         params = _sampling_params(body, max_tokens or default)
         session_id = _session_id(request, body, who)
+        hinted = read_session_hints(request.headers, body, session_id)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        await hint_effects.admit(who, session_id, hinted)
         state.acquire(who)
         streaming = bool(body.stream)
-        stream = engine.stream(token_ids, params, request_id, session_id, who.salt)
+        stream = hint_effects.follow(
+            engine.stream(token_ids, params, request_id, session_id, who.salt, hinted.hints),
+            who,
+            session_id,
+            hinted.hints,
+        )
         try:
             if not streaming:
                 return await complete(request, state, who, kind, request_id, session_id, stream)

@@ -66,7 +66,7 @@ class TenantCache:
         if filler is None:  # e.g. restored from a tier: no request filled it here
             self.owner[block_id] = (ANONYMOUS, None)
         else:
-            self.owner[block_id] = (filler.tenant or ANONYMOUS, _plain_session(filler.session_id))
+            self.owner[block_id] = (filler.tenant or ANONYMOUS, plain_session(filler.session_id))
         self.cached_blocks[self.owner[block_id][0]] += 1
 
     def on_block_freed(self, block_id: int) -> None:
@@ -140,6 +140,15 @@ class TenantCache:
             self.pinned.setdefault(owner, []).extend(pinned)
             return len(pinned)
 
+    def pin_room(self, tenant: str, session_id: str) -> int | None:
+        """Blocks `session_id` may hold pinned within its tenant's quota, beside what the
+        tenant's other sessions hold pinned (its own pins count as room); None: no quota."""
+        with self.engine.exclusive():
+            limit = self.quota_blocks(tenant)
+            if limit is None:
+                return None
+            return limit - self._num_pinned(tenant) + len(self.pinned.get((tenant, session_id), []))
+
     def unpin_session(self, tenant: str, session_id: str) -> int:
         with self.engine.exclusive():
             return self._unpin((tenant, session_id))
@@ -179,7 +188,7 @@ class TenantCache:
         return self.engine.drop_cached(block_ids)
 
 
-def _plain_session(session_id: str | None) -> str | None:
+def plain_session(session_id: str | None) -> str | None:
     """The server namespaces session ids per tenant as `tenant/session`; undo that.
 
     Interned: every block a session fills holds the same string, not a copy per block.
