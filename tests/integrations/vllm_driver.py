@@ -13,13 +13,17 @@ fourth after a flood that evicts the session from vLLM's small KV space. `disk-r
 turn 3 of `--history`'s session in a fresh process whose disk tier is `--disk-dir` (the
 `disk` run's), then every record there corrupted and turn 3 again. `redis`: a Redis tier
 only (a redis-server this script starts on `--redis-port`): turns 1-2, then the server is
-stopped and turn 3 runs.
+stopped and turn 3 runs. `hints`: a host tier; two sessions' turns sent with session hints in
+`kv_transfer_params["kvtier_session"]` (one of them invalid), then what the connector's
+retention policy sees of each session.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import random
 import socket
 import subprocess
@@ -46,7 +50,7 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
     if mode == "baseline":
         return None
     tiers: dict = {"chunk_tokens": 128}
-    if mode == "host":
+    if mode in ("host", "hints"):
         tiers["host_bytes"] = "256MiB"
     elif mode == "redis":
         # a generous read timeout: the test counts tokens loaded, and a loaded CI machine once
@@ -88,6 +92,57 @@ def delta(before: dict, after: dict) -> dict:
     return out
 
 
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def hinted_sessions(llm) -> dict:
+    """Turns with session hints in kv_transfer_params, then the policy's view of each session
+    and the connector's warnings."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm import REGISTRY
+
+    warnings = Warnings()
+    logging.getLogger("kvtier.integrations.vllm").addHandler(warnings)
+    sent = [
+        ("agent-1", {"priority": 3, "pin": True, "expect_return_s": 30}),
+        ("agent-2", {"priority": 99}),  # out of range: ignored, with a warning
+        ("agent-1", {"close": True}),
+    ]
+    prompt: dict[str, list[int]] = {}
+    for index, (session, hints) in enumerate(sent):
+        prompt[session] = prompt.get(session, []) + user_tokens(index)[:200]
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=4,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": {"session_id": session, "kvtier_session": hints}},
+        )
+        prompts = [TokensPrompt(prompt_token_ids=prompt[session])]
+        (out,) = llm.generate(prompts, params, use_tqdm=False)
+        prompt[session] += list(out.outputs[0].token_ids)
+    tiers = REGISTRY.all()[0]
+    with tiers.lock:
+        view = tiers.connector.runner.view()
+    seen = {
+        s.session_id: {
+            "hints": dataclasses.asdict(s.hints),
+            "pinned": s.pinned,
+            "priority": s.priority,
+            "turns": len(s.turns),
+        }
+        for s in view.sessions
+    }
+    return {"sessions": seen, "warnings": warnings.messages}
+
+
 def corrupt(folder: Path) -> int:
     """Flip a byte every 256 KiB of every file: each record's body (MBs) is hit."""
     flipped = 0
@@ -122,7 +177,9 @@ def start_redis(port: int) -> subprocess.Popen:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("baseline", "host", "disk", "disk-resume", "redis"))
+    parser.add_argument(
+        "mode", choices=("baseline", "host", "disk", "disk-resume", "redis", "hints")
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--disk-dir")
     parser.add_argument("--history", type=Path)
@@ -170,7 +227,9 @@ def main() -> None:
         )
         return output
 
-    if args.mode == "disk-resume":
+    if args.mode == "hints":
+        result.update(hinted_sessions(llm))
+    elif args.mode == "disk-resume":
         history = json.loads(args.history.read_text())["turns"]
         prompt = user_tokens(0) + history[0]["output"] + user_tokens(1)
         prompt += history[1]["output"] + user_tokens(2)

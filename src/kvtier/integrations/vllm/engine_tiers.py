@@ -7,9 +7,10 @@ of adapters over vLLM: `PagedKVPort` (vLLM's per-layer paged KV, through its blo
 tensors are (vLLM's worker); the scheduler side (`scheduler_side.py`) reaches it only
 through each step's messages (`messages.py`):
 
-    Lookup      the request is tracked (tenant, session, prefix chain), discovery and
-                prefetch start; when asked, the Restorer's plan from vLLM's own hits says
-                how many tokens kvtier can fill (the reply goes back with this step)
+    Lookup      the request is tracked (tenant, session and its hints, prefix chain),
+                discovery and prefetch start; when asked, the Restorer's plan from vLLM's
+                own hits says how many tokens kvtier can fill (the reply goes back with
+                this step)
     Allocation  vLLM's block ids for those tokens become load jobs
     (loads)     before the forward: chunks written into vLLM's blocks; a chunk that fails
                 names its blocks for vLLM's load-error path (they are recomputed)
@@ -39,7 +40,12 @@ from kvtier.integrations.vllm.messages import (
     StepMessages,
     WorkerReply,
 )
-from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity
+from kvtier.integrations.vllm.requests import (
+    RequestView,
+    SessionChains,
+    identity,
+    session_hints,
+)
 from kvtier.integrations.vllm.settings import ConnectorSettings
 
 _NO_QUEUE = QueueDemand()  # vLLM does not show a connector its waiting queue
@@ -102,7 +108,9 @@ class EngineTiers:
             if view.session_id is None:
                 keys = view.keys_of_full_blocks(self.block_size)
                 view.session_id = self.chains.session_of(keys, view.request_id)
-            self.sessions.start_turn(view.session_id, view.request_id, view.num_prompt_tokens)
+            self.sessions.start_turn(
+                view.session_id, view.request_id, view.num_prompt_tokens, session_hints(record)
+            )
             self.views[view.request_id] = view
             self.connector.on_request_added(view)  # discovery in shared tiers, prefetch
         else:

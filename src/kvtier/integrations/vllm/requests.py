@@ -11,17 +11,24 @@ Who a request belongs to:
 - else vLLM's `cache_salt` is the tenant (vLLM isolates its own prefix cache by it, kvtier
   namespaces its keys by it: no hit across tenants);
 - else the session is reconstructed from prefix chains (`SessionChains`).
+
+What a client says about its session's future travels in `kv_transfer_params`
+`{"kvtier_session": {...}}`, the fields `kvtier serve` reads from its body
+(`session_hints`); the retention policy sees them with the session.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier.engine.hashing import extend_block_keys, namespace_bytes
+from kvtier.errors import KvtierError
+from kvtier.policy.config import parse_session_hints
+from kvtier.session_hints import NO_HINTS, SessionHints
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +113,25 @@ def identity(request: VllmRequest) -> tuple[str | None, str | None]:
     params = request.kv_transfer_params or {}
     tenant = _text(params, "tenant", request.request_id) or request.cache_salt
     return tenant, _text(params, "session_id", request.request_id)
+
+
+def session_hints(request: VllmRequest) -> SessionHints:
+    """The session hints a request was sent with. Invalid ones are ignored with a warning,
+    as a malformed identity is: the request is served, its session without hints."""
+    given = (request.kv_transfer_params or {}).get("kvtier_session")
+    if given is None:
+        return NO_HINTS
+    try:
+        if not isinstance(given, Mapping):
+            raise KvtierError(f"invalid session hints: an object is needed, got {given!r}")
+        return parse_session_hints(given)
+    except KvtierError as exc:
+        log.warning(
+            "kvtier: request %s: kv_transfer_params.kvtier_session: %s; ignored",
+            request.request_id,
+            exc,
+        )
+        return NO_HINTS
 
 
 def _text(params: dict[str, Any], key: str, request_id: str) -> str | None:
