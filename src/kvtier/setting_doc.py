@@ -76,5 +76,5 @@ def check_choices(model: Any, table: str) -> None:
         value = getattr(model, item.name)
         if value in doc.choices or (value is None and item.default is None):
             continue
-        allowed = ", ".join(doc.choices[:-1]) + " or " + doc.choices[-1]
+        allowed = " or ".join(filter(None, (", ".join(doc.choices[:-1]), doc.choices[-1])))
         raise KvtierError(f"{table}.{doc.key or item.name} must be {allowed}, got {value!r}")

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
-from kvtier.setting_doc import setting
+from kvtier.models.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from kvtier.setting_doc import check_choices, setting
 
 DEFAULT_MODEL_NAME = "smollm2"
 # Other ids the embedded model goes by: `kvtier plan`, `bench` and `simulate` call it
@@ -136,6 +137,13 @@ class ServerConfig:
     api_docs: bool = setting(
         False, help="serve `/docs`, `/redoc` and `/openapi.json`", kind="bool", flag=True
     )
+    tool_call_parser: str = setting(
+        DEFAULT_TOOL_PARSER,
+        help="how tool calls are read from a chat reply (the model's output format)",
+        kind="string",
+        choices=tuple(TOOL_PARSERS),
+        flag=True,
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -160,6 +168,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise KvtierError(f"server.{name} must be a positive number, got {value!r}")
+        check_choices(self, "server")
         if not isinstance(self.api_docs, bool):
             raise KvtierError(f"server.api_docs must be true or false, got {self.api_docs!r}")
         for name in ("admin_key", "metrics_key"):
@@ -245,6 +254,7 @@ class ServerConfig:
             "keep_alive_timeout_s",
             "header_timeout_s",
             "api_docs",
+            "tool_call_parser",
         }
         unknown = sorted(set(table) - known)
         if unknown:
