@@ -10,6 +10,7 @@ reaches the engine as a value it would fail on.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -27,6 +28,8 @@ from kvtier.engine.sampling import INT64_MAX, INT64_MIN
 
 MAX_STOP_STRINGS = 16  # checked against the text after every token: bounds a request's cost
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOOLS = 128  # OpenAI's limits
+MAX_TOOL_NAME_CHARS = 64
 
 
 def _encodable(text: str) -> str:
@@ -37,7 +40,13 @@ def _encodable(text: str) -> str:
     return text
 
 
+def _encodable_json(value: dict[str, Any]) -> dict[str, Any]:
+    _encodable(json.dumps(value, ensure_ascii=False))
+    return value
+
+
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_encodable_json)]
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 Number = StrictInt | StrictFloat
 
@@ -51,10 +60,23 @@ class TextPart(_Model):
     text: Text
 
 
+class FunctionCall(_Model):
+    name: Annotated[Text, Field(min_length=1)]
+    arguments: Text  # JSON, as the reply carried it; sent back verbatim into the prompt
+
+
+class MessageToolCall(_Model):
+    id: Annotated[Text, Field(min_length=1)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant only (checked in tools.py)
+    tool_call_id: Text | None = None  # tool: the call this message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -89,8 +111,32 @@ class _SamplingFields(_Model):
     frequency_penalty: Number | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
 
 
+class FunctionDefinition(_Model):
+    name: Annotated[Text, Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS)]
+    description: Text | None = None
+    parameters: JSONObject | None = None  # a JSON Schema, shown to the model as given
+    strict: StrictBool | None = None  # accepted; decoding is not constrained
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: Int64 | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
 

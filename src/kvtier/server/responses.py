@@ -18,11 +18,13 @@ from kvtier.errors import KvtierError
 from kvtier.server.api_errors import APIError
 from kvtier.server.metrics import prompt_token_sources
 from kvtier.server.protocol import error_body
+from kvtier.server.tool_replies import ToolStream, mark_tool_call, reply_message
 
 if TYPE_CHECKING:
     from kvtier.engine.engine import RequestOutput
     from kvtier.server.auth import Caller
     from kvtier.server.state import ServerState
+    from kvtier.server.tools import ToolTurn
 
 
 async def complete(
@@ -33,8 +35,10 @@ async def complete(
     request_id: str,
     session_id: str | None,
     stream: AsyncIterator[RequestOutput],
+    tools: ToolTurn | None = None,
 ) -> Response:
-    """Run a non-streaming request; a client that disconnects cancels it (blocks freed)."""
+    """Run a non-streaming request; a client that disconnects cancels it (blocks freed).
+    With `tools` (a chat whose reply may call them), the reply is read for calls."""
 
     async def collect() -> tuple[str, int, RequestOutput]:
         text, n, last = [], 0, None
@@ -70,12 +74,13 @@ async def complete(
     model = state.config.model_name
     created = int(time.time())
     if kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": _finish_reason(last),
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = _finish_reason(last)
+        if tools is not None:
+            parsed = tools.read(text)
+            message, finish = reply_message(parsed, finish)
+            await mark_tool_call(state.engine, session_id, request_id, parsed)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(last)}
@@ -101,18 +106,27 @@ async def sse(
     first: RequestOutput,
     stream: AsyncIterator[RequestOutput],
     include_usage: bool,
+    tools: ToolTurn | None = None,
 ) -> AsyncIterator[bytes]:
     model = state.config.model_name
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    calls = ToolStream(tools) if tools is not None else None
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> bytes:
+    def chunk(
+        delta_text: str | None,
+        finish: str | None,
+        role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> bytes:
         if kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if delta_text is not None:
                 delta["content"] = delta_text
+            if tool_calls is not None:
+                delta["tool_calls"] = tool_calls
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
@@ -150,10 +164,19 @@ async def sse(
                 err = error_body(out.error or "generation failed", "server_error")
                 yield b"data: " + json.dumps(err).encode() + b"\n\n"
                 break
-            if out.delta_text:
-                yield chunk(out.delta_text, None)
+            text = out.delta_text if calls is None else calls.feed(out.delta_text)
+            if text:
+                yield chunk(text, None)
             if out.finished:
-                yield chunk(None, _finish_reason(out))
+                finish = _finish_reason(out)
+                if calls is not None:
+                    text, call_deltas, finish = calls.finish(finish)
+                    if text:
+                        yield chunk(text, None)
+                    for call in call_deltas:  # each whole: its name and all its arguments
+                        yield chunk(None, None, tool_calls=[call])
+                    await mark_tool_call(state.engine, session_id, request_id, calls.parsed)
+                yield chunk(None, finish)
                 break
             out = await anext(stream, None)
         if last.finished:

@@ -18,12 +18,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import KvtierError
+from kvtier.models.tool_parsers import TOOL_PARSERS
 from kvtier.server.api_errors import APIError
 from kvtier.server.auth import Auth, Caller
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.responses import complete, sse
 from kvtier.server.session_hint_effects import SessionHintEffects
 from kvtier.server.session_hints_request import read_session_hints
+from kvtier.server.tools import ToolTurn, template_messages, tool_turn
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine
@@ -38,6 +40,7 @@ def openai_router(state: ServerState) -> APIRouter:
     engine, config = state.engine, state.config
     router = APIRouter()
     caller_dep = Depends(Auth(config).caller)
+    tool_parser = TOOL_PARSERS[config.tool_call_parser]
     hint_effects = SessionHintEffects(state)
 
     @router.get("/v1/models")
@@ -56,12 +59,10 @@ def openai_router(state: ServerState) -> APIRouter:
         _check_model(body.model, config)
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
-        messages = [
-            {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-            for m in body.messages
-        ]
+        messages = template_messages(body.messages)
+        tools = tool_turn(body, tool_parser)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await generate(request, who, body, "chat", messages, max_tokens)
+        return await generate(request, who, body, "chat", messages, max_tokens, tools)
 
     @router.post("/v1/completions", response_model=None)
     async def completions(
@@ -89,6 +90,7 @@ def openai_router(state: ServerState) -> APIRouter:
         kind: str,
         prompt: Any,
         max_tokens: int | None,
+        tools: ToolTurn | None = None,
     ) -> Response:
         limit = config.max_output_tokens
         if max_tokens is not None and limit is not None and max_tokens > limit:
@@ -98,7 +100,7 @@ def openai_router(state: ServerState) -> APIRouter:
                 param="max_tokens",
                 code="invalid_value",
             )
-        token_ids = await asyncio.to_thread(_tokenize, engine, kind, prompt)
+        token_ids = await asyncio.to_thread(_tokenize, engine, kind, prompt, tools)
         prompt_param = "messages" if kind == "chat" else "prompt"
         n = len(token_ids)
         if n > state.max_prompt_tokens:
@@ -119,13 +121,14 @@ def openai_router(state: ServerState) -> APIRouter:
                 code="context_length_exceeded",
             )
         default = min(config.max_tokens_default, room, config.max_output_tokens or room)
-        params = _sampling_params(body, max_tokens or default)
+        params = _sampling_params(body, max_tokens or default, tools.stop if tools else [])
         session_id = _session_id(request, body, who)
         hinted = read_session_hints(request.headers, body, session_id)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         await hint_effects.admit(who, session_id, hinted)
         state.acquire(who)
         streaming = bool(body.stream)
+        replies = tools if tools is not None and tools.reads_calls else None
         stream = hint_effects.follow(
             engine.stream(token_ids, params, request_id, session_id, who.salt, hinted.hints),
             who,
@@ -134,7 +137,9 @@ def openai_router(state: ServerState) -> APIRouter:
         )
         try:
             if not streaming:
-                return await complete(request, state, who, kind, request_id, session_id, stream)
+                return await complete(
+                    request, state, who, kind, request_id, session_id, stream, replies
+                )
             # Start the request before answering, so input the engine refuses is still a 4xx.
             first = await _first(stream)
         except BaseException:
@@ -147,7 +152,9 @@ def openai_router(state: ServerState) -> APIRouter:
             if not streaming:
                 state.release(who)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = sse(state, who, kind, request_id, session_id, first, stream, include_usage)
+        events = sse(
+            state, who, kind, request_id, session_id, first, stream, include_usage, replies
+        )
         return StreamingResponse(
             events,
             media_type="text/event-stream",
@@ -186,12 +193,13 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
-def _tokenize(engine: Engine, kind: str, prompt: Any) -> list[int]:
+def _tokenize(engine: Engine, kind: str, prompt: Any, tools: ToolTurn | None) -> list[int]:
     from kvtier.models.tokenizer import chat_token_ids
 
     if kind == "chat":
         try:
-            token_ids = chat_token_ids(engine.tokenizer, prompt)
+            listed, start = (tools.tools, tools.reply_start) if tools else (None, "")
+            token_ids = chat_token_ids(engine.tokenizer, prompt, listed, start)
         except Exception as exc:  # the chat template refused the messages
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
     elif isinstance(prompt, str):
@@ -206,7 +214,7 @@ def _tokenize(engine: Engine, kind: str, prompt: Any) -> list[int]:
     return token_ids
 
 
-def _sampling_params(body: Any, max_tokens: int) -> SamplingParams:
+def _sampling_params(body: Any, max_tokens: int, tool_stop: list[str]) -> SamplingParams:
     params: dict[str, Any] = {"max_tokens": max_tokens}
     if body.temperature is not None:
         params["temperature"] = float(body.temperature)
@@ -219,6 +227,8 @@ def _sampling_params(body: Any, max_tokens: int) -> SamplingParams:
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         params["stop"] = stops
+    if tool_stop:
+        params["stop"] = params.get("stop", []) + tool_stop
     if body.seed is not None:
         params["seed"] = body.seed
     if body.ignore_eos is not None:
