@@ -347,7 +347,9 @@ def test_running_gaps_follow_the_views_changes():
     b = SessionView("b", "t", "api", idle_since=40.0)
     running.update(Changes((a, b), ()))
     ages = running.ages(100.0)
-    assert ages[("t", "chat", None, None)].tolist() == [90.0] and ages[("t", "api", None, None)].tolist() == [60.0]
+    assert ages[("t", "chat", None, None)].tolist() == [90.0] and ages[
+        ("t", "api", None, None)
+    ].tolist() == [60.0]
     # a returns (active again) and b leaves the view: nothing of either is still running
     running.update(Changes((dataclasses.replace(a, active=True, idle_since=None),), ("b",)))
     assert running.ages(100.0) == {}

@@ -84,6 +84,9 @@ RHYTHM_SD = math.log(2.0) / 2  # a session's next gap: within a factor 2 of its 
 EVIDENCE_NATS = math.log(20.0)
 
 Z_80 = 0.8416212335729143  # standard normal quantile at 0.8
+# a client's expected return time is taken as the median of a lognormal of this sigma: within a
+# factor of 2 either way two times in three (a tool's run time varies from run to run)
+HINT_SIGMA = math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,41 @@ class ReusePredictor:
             at[own_at] = len(table) + np.arange(len(own_at))
             blended = (mine + weight * table[key_rows]) / (count + weight)
             table = np.concatenate([table, blended])
-        return table, at
+        return self._hinted(sessions, table, at)
+
+    def _hinted(
+        self, sessions: Sequence[SessionView], table: np.ndarray, at: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`cdf_table` with the client's word taken over what was learned: a session its
+        client closed never returns (a row of zeros), and one whose client expects it back
+        after `expect_return_s` returns around then (lognormal, median that time, sigma
+        `HINT_SIGMA`). One row per distinct hint."""
+        rows: dict[tuple[bool, float | None], int] = {}
+        for index, session in enumerate(sessions):
+            hints = session.hints
+            if not (hints.close or hints.expect_return_s is not None):
+                continue
+            key = (hints.close, None if hints.close else hints.expect_return_s)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = len(table) + len(rows)
+            at[index] = row
+        if not rows:
+            return table, at
+        extra = np.zeros((len(rows), len(self.edges)))
+        for (close, expected), row in rows.items():
+            if not close:
+                extra[row - len(table)] = self._expected_cdf(float(expected))
+        return np.concatenate([table, extra]), at
+
+    def _expected_cdf(self, expected_s: float) -> np.ndarray:
+        """Cumulative return mass at the edges of a return around `expected_s` (median)."""
+        if expected_s <= 0:
+            return np.ones(len(self.edges))
+        z = (np.log(np.maximum(self.edges, 1e-300)) - math.log(expected_s)) / HINT_SIGMA
+        cdf = 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2)))
+        cdf[0] = 0.0
+        return cdf
 
     def locate_grid(self, idle_s: np.ndarray, horizon_s: np.ndarray) -> tuple[Located, Located]:
         """Where the starts `idle_s` and ends (`idle_s + horizon_s`, at most the cut-off) of

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import KvtierError
 from kvtier.policy.base import RetentionPolicy
+from kvtier.policy.close_lru import CloseAwareLruPolicy
+from kvtier.policy.continuum import ContinuumPolicy
 from kvtier.policy.cost_model import CostProfile
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.offload import OffloadPolicy
@@ -29,7 +31,16 @@ ENTRY_POINT_GROUP = "kvtier.policies"
 
 POLICIES: dict[str, type[RetentionPolicy]] = {
     cls.name: cls
-    for cls in (RetainPolicy, RecomputePolicy, OffloadPolicy, TtlPolicy, CostPolicy, OraclePolicy)
+    for cls in (
+        RetainPolicy,
+        RecomputePolicy,
+        OffloadPolicy,
+        TtlPolicy,
+        ContinuumPolicy,
+        CloseAwareLruPolicy,
+        CostPolicy,
+        OraclePolicy,
+    )
 }
 
 

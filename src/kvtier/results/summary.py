@@ -21,6 +21,11 @@ kvtier's own (same requests):
 - `tokens_recomputed`, `restored_tokens` per source, `hit_rate` per source (share of history
   tokens each source supplied; `recomputed` is the miss rate);
 - `tier_bytes` (the run's TierTraffic per tier) and `policy_decisions` (kind -> tier -> count);
+- `job_completion`: per session whose requests all completed, its job completion time (first
+  request sent to last answer, as Continuum, arXiv 2511.02230, measures agent jobs; it
+  includes the tool runs and think times between turns, which are the workload's) and its
+  time on the server (the sum of its turns' E2EL: what a policy changes), each a count with
+  mean / median / p90 / p99 in ms;
 - `failed_by_reason`: the failed requests grouped by their error with its numbers blanked
   ("prompt has # tokens, ..."), each `{count, example}` (the first such error in full).
 """
@@ -52,6 +57,21 @@ def resumed_turns(records: RunRecords) -> list[RequestRecord]:
     """The run's completed resumed turns, in record order: what every resumed-turn figure is
     taken over (`summarize`'s, and the pooled ones of `kvtier simulate seeds`)."""
     return [r for r in records.requests if not r.failed and r.turn_kind == "resumed"]
+
+
+def job_times(records: RunRecords) -> tuple[list[float], list[float]]:
+    """Per session whose requests all completed, in first-seen order: (job completion time,
+    time on the server) in seconds (`summarize`'s `job_completion`)."""
+    jobs: dict[str, list[RequestRecord]] = {}
+    for r in records.requests:
+        jobs.setdefault(r.session_id, []).append(r)
+    completion, served = [], []
+    for turns in jobs.values():
+        if any(r.failed for r in turns):
+            continue
+        completion.append(max(r.finish_s for r in turns) - min(r.arrival_s for r in turns))
+        served.append(sum(r.e2el_s for r in turns))
+    return completion, served
 
 
 def summarize(records: RunRecords, duration: float | None = None) -> dict[str, Any]:
@@ -99,6 +119,11 @@ def summarize(records: RunRecords, duration: float | None = None) -> dict[str, A
     summary["hit_rate"] = {s: n / history if history else 0.0 for s, n in restored.items()}
     summary["tier_bytes"] = {tier: t.to_dict() for tier, t in records.tiers.items()}
     summary["policy_decisions"] = records.decisions
+    completion, served = job_times(records)
+    summary["job_completion"] = {
+        "completion": latency_group(completion),
+        "on_server": latency_group(served),
+    }
     summary["failed_by_reason"] = failed_by_reason(records.requests)
     return summary
 

@@ -28,7 +28,7 @@ from typing import Any
 from kvtier.errors import KvtierError
 from kvtier.policy.config import PolicyConfig
 from kvtier.results.records import RunRecords
-from kvtier.results.summary import latency_group, resumed_turns
+from kvtier.results.summary import job_times, latency_group, resumed_turns
 from kvtier.sim.deployment import Deployment
 from kvtier.sim.simulator import simulate
 from kvtier.sim.sweep import FIXED_POLICIES, RESUMED_FIELDS, metrics_row, same, versus
@@ -72,6 +72,7 @@ def run_seeds(
     each seed's runs (to write them out) before the next seed starts."""
     rows = []
     resumed: dict[str, list[float]] = {name: [] for name in policies}  # TTFT s, every seed's
+    jobs: dict[str, list[float]] = {name: [] for name in policies}  # job completion s, likewise
     for seed in seeds:
         workload = requests(seed)
         runs = []
@@ -79,6 +80,7 @@ def run_seeds(
             result = simulate(workload, deployment, policy(name))
             rows.append({"seed": seed, **metrics_row(name, result.run)})
             resumed[name] += [r.ttft_s for r in resumed_turns(result.run)]
+            jobs[name] += job_times(result.run)[0]
             runs.append(result.run)
             progress(f"seed {seed} {name}: {result.events:,} events in {result.wall_s:.1f} s")
         keep(seed, runs)
@@ -92,15 +94,23 @@ def run_seeds(
         "best": best_counts(rows, policies),
         "versus": against,
         "rule": rule(against),
-        "pooled": pooled(rows, resumed),
+        "pooled": pooled(rows, resumed, jobs),
     }
 
 
-def pooled(rows: Sequence[Mapping[str, Any]], resumed: Mapping[str, Sequence[float]]) -> dict:
+def pooled(
+    rows: Sequence[Mapping[str, Any]],
+    resumed: Mapping[str, Sequence[float]],
+    jobs: Mapping[str, Sequence[float]] | None = None,
+) -> dict:
     """The preset's verdict on every resumed turn of all the seeds at once (`resumed`: each
     policy's resumed TTFTs in seconds): per policy its resumed mean / p50 / p99 over them,
     `cost` over the best fixed policy on those (`versus`), and the rule on that one sample
-    (`rule`, whose `within` and `ahead` are then 0 or 1)."""
+    (`rule`, whose `within` and `ahead` are then 0 or 1). With `jobs` (each policy's job
+    completion times, s), also their mean, and `cost` over the best fixed policy's and over
+    the oracle's on it (`jobs_versus`); `oracle` holds `cost`'s resumed figures over the
+    oracle's."""
+    jobs = jobs or {}
     out_rows = []
     for name, ttfts in resumed.items():
         mine = [r for r in rows if r["policy"] == name]
@@ -115,11 +125,39 @@ def pooled(rows: Sequence[Mapping[str, Any]], resumed: Mapping[str, Sequence[flo
                 "resumed_mean_ms": group.get("mean_ms", 0.0),
                 "resumed_p50_ms": group.get("median_ms", 0.0),
                 "resumed_p99_ms": group.get("p99_ms", 0.0),
+                "jct_mean_s": statistics.fmean(jobs[name]) if jobs.get(name) else 0.0,
                 "bytes_moved": sum(r["bytes_moved"] for r in mine),
             }
         )
     against = versus(out_rows, cell=("seed",))
-    return {"rows": out_rows, "versus": against[0] if against else None, "rule": rule(against)}
+    by_name = {row["policy"]: row for row in out_rows}
+    return {
+        "rows": out_rows,
+        "versus": against[0] if against else None,
+        "rule": rule(against),
+        "jobs_versus": _jobs_versus(by_name),
+        "oracle": _over(by_name, ORACLE, (*RESUMED_FIELDS, "jct_mean_s")),
+    }
+
+
+def _jobs_versus(by_name: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """`cost`'s mean job completion time over the best fixed policy's (and which that is)."""
+    fixed = [by_name[name] for name in FIXED_POLICIES if name in by_name]
+    cost = by_name.get("cost")
+    if cost is None or not fixed or not cost["jct_mean_s"]:
+        return None
+    best = min(fixed, key=lambda row: (row["failed"], row["jct_mean_s"]))
+    return {"ratio": cost["jct_mean_s"] / best["jct_mean_s"], "best": best["policy"]}
+
+
+def _over(
+    by_name: Mapping[str, Mapping[str, Any]], baseline: str, fields: Sequence[str]
+) -> dict[str, float] | None:
+    """`cost`'s figures over `baseline`'s, field by field; None without both."""
+    cost, base = by_name.get("cost"), by_name.get(baseline)
+    if cost is None or base is None:
+        return None
+    return {f: cost[f] / base[f] if base[f] else 1.0 for f in fields}
 
 
 def spread(rows: Sequence[Mapping[str, Any]], policies: Sequence[str]) -> dict[str, Any]:
@@ -240,12 +278,14 @@ def _pooled_lines(pool: Mapping[str, Any], seeds: int) -> list[str]:
         "",
         f"### Pooled: the resumed turns of the {seeds} seeds as one sample (the preset's verdict)",
         "",
-        "| policy | resumed turns | mean | p50 | p99 | GB read+written, all seeds |",
-        "|---|---|---|---|---|---|",
+        "| policy | resumed turns | mean | p50 | p99 | job completion mean s "
+        "| GB read+written, all seeds |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in pool["rows"]:
         cells = [row["policy"], f"{row['resumed_turns']:,}"]
         cells += [f"{row[f]:,.1f}" for f in RESUMED_FIELDS]
+        cells.append(f"{row.get('jct_mean_s', 0.0):,.2f}")
         cells.append(f"{row['bytes_moved'] / 1e9:,.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     v, r = pool["versus"], pool["rule"]
@@ -260,6 +300,21 @@ def _pooled_lines(pool: Mapping[str, Any], seeds: int) -> list[str]:
             f"three: {'yes' if r['within'] else 'no'}; ahead by {1 - AHEAD:.0%} or more on mean "
             f"or p99: {'yes' if r['ahead'] else 'no'}",
         ]
+    jobs = pool.get("jobs_versus")
+    if jobs is not None:
+        lines.append(
+            f"cost's mean job completion time over the best fixed policy's ({jobs['best']}): "
+            f"{jobs['ratio']:.3f}"
+        )
+    oracle = pool.get("oracle")
+    if oracle is not None:
+        lines.append(
+            "cost over the oracle, pooled: "
+            + ", ".join(
+                f"{n} {oracle[f]:.2f}"
+                for n, f in zip(("mean", "p50", "p99", "job completion"), oracle, strict=True)
+            )
+        )
     return lines
 
 

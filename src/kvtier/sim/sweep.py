@@ -134,6 +134,9 @@ def metrics_row(policy: str, run: RunRecords) -> dict[str, Any]:
         "resumed_p50_ms": kinds["resumed"].get("median_ms", 0.0),
         "resumed_p99_ms": kinds["resumed"].get("p99_ms", 0.0),
         "output_throughput": s["output_throughput"],
+        # per job (session): first request to last answer, and the part spent on the server
+        "jct_mean_s": s["job_completion"]["completion"].get("mean_ms", 0.0) / 1000,
+        "job_server_mean_s": s["job_completion"]["on_server"].get("mean_ms", 0.0) / 1000,
         "bytes_read": sum(t["bytes_read"] for t in traffic),
         "bytes_written": sum(t["bytes_written"] for t in traffic),
         "bytes_moved": sum(t["bytes_read"] + t["bytes_written"] for t in traffic),

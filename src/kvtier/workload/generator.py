@@ -130,6 +130,7 @@ def _turns(
     with_document = config.document_tokens is not None and rng.random() < config.document_share
     turns: list[Turn] = []
     arrival, think, result = start, None, None
+    context = config.system_prompt_tokens
     while True:
         target = result.result_tokens.sample(rng) if result else config.user_tokens.sample(rng)
         if with_document and not turns:
@@ -147,11 +148,16 @@ def _turns(
             think_s=think,
         )
         turns.append(turn)
+        context += user_tokens + output_tokens
         # No draws for workloads without tools: their sessions stay as they were generated.
         tool = _tool_call(rng, config) if config.tools else None
         if ends_known:
             turn.end, turn.tool = ("tool_call", tool) if tool else ("answer", None)
-        if len(turns) >= config.max_turns or (tool is None and rng.random() < config.abandon_prob):
+        if (
+            len(turns) >= config.max_turns
+            or _context_full(config, context)
+            or (tool is None and rng.random() < config.abandon_prob)
+        ):
             if config.hints:
                 turn.hints = SessionHints(close=True)
             return turns
@@ -163,6 +169,16 @@ def _turns(
         else:
             result, think = None, think_time(rng, config)
         arrival = next_arrival(turn, think, config.decode_tok_s)
+
+
+def _context_full(config: GeneratorConfig, context: int) -> bool:
+    """An agent whose context has no room for another tool result and reply stops there (its
+    harness would compact or start over; dropping the oldest turns instead would change the
+    prompt's prefix, and so recompute the whole history, at every later turn)."""
+    if not config.tools or config.max_history_tokens is None:
+        return False
+    largest = max(tool.result_tokens.max_tokens for tool in config.tools.values())
+    return context + largest + config.answer_tokens.max_tokens > config.max_history_tokens
 
 
 def _tool_call(rng: np.random.Generator, config: GeneratorConfig) -> str | None:

@@ -27,9 +27,10 @@
   in about one, web lookups in seconds, test runs in tens of seconds to minutes (vLLM's AgentX
   traffic: median 43 turns and 142K input tokens a session; Continuum, arXiv 2511.02230:
   tool calls from sub-second functions to long test runs on SWE-Bench and OpenHands). The run
-  times are our assumption in those ranges. Histories grow past 100K tokens (the oldest turns
-  drop beyond 110K, so a prompt and its reply fit 128K). A `chat` session ends in answers, returns after minutes or leaves.
-  Replies say how they ended (tool call or answer) and which tool they called; no hints.
+  times are our assumption in those ranges. Histories grow past 100K tokens; an agent whose
+  context is full (110K, so a prompt and its reply fit 128K) stops there. A `chat` session
+  ends in answers, returns after minutes or leaves. Replies say how they ended (tool call or
+  answer) and which tool they called; no hints.
 - `agentic-hints`: `agentic` with the client's hints: after a tool call, the expected return
   (the tool's median run time); on a session's last turn, close.
 """
