@@ -234,7 +234,8 @@ def test_request_overrides_are_validated():
         parse_request_overrides({"priority": 99})
     with pytest.raises(
         KvtierError,
-        match=r"request\.pinned: unknown key; allowed here: close, expect_return_s, priority, pin, ttl_s",
+        match=r"request\.pinned: unknown key; allowed here: close, expect_return_s, priority, "
+        r"pin, ttl_s",
     ):
         parse_request_overrides({"pinned": True})
 
