@@ -189,7 +189,7 @@ _AGENT_TOOLS: dict[str, Any] = {
 
 PRESETS["agentic"] = {
     "sessions": 240,
-    "session_rate": 0.08,
+    "session_rate": 0.12,
     "arrival_cv": 1.5,
     "mean_turns": 2.0,
     "max_turns": 120,
