@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvtier.sim.command",
         "the same policies at data-centre scale on hardware profiles, in simulated time",
     ),
+    "export": (
+        "kvtier.workload.export_command",
+        "write a workload (preset or trace) as an agentic trace file (LLMServingSim's format)",
+    ),
     "calibrate": ("kvtier.sim.calibrate_command", "time the engine here, fit a local-cpu profile"),
     "serve": (
         "kvtier.server.command",

@@ -4,8 +4,8 @@ traces carry them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 # How a turn's reply ended, as the server saw it: a tool call (the agent comes back when the
 # tool returns), an answer (a person reads it, and may never come back), or the length limit.
@@ -35,6 +35,15 @@ class SessionHints:
     @property
     def empty(self) -> bool:
         return self == NO_HINTS
+
+    def given(self) -> dict[str, Any]:
+        """The fields set away from their defaults: the `kvtier_session` object a client sends
+        (and a trace records) for these hints."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        }
 
 
 NO_HINTS = SessionHints()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-PRESET_NAMES = ("quick", "demo", "default", "multiclass")  # = tuple(workload.presets.PRESETS)
-TRACE_FORMATS = ("auto", "mooncake", "bailian", "sharegpt")  # auto + workload.traces.FORMATS
+# = tuple(workload.presets.PRESETS)
+PRESET_NAMES = ("quick", "demo", "default", "multiclass", "agentic", "agentic-hints")
+# = auto + workload.traces.FORMATS
+TRACE_FORMATS = ("auto", "mooncake", "bailian", "sharegpt", "agentic")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> Any:

@@ -6,6 +6,8 @@
   each); sessions follow the parent chain
 - `sharegpt`: a JSON array (or lines) of conversations: id, messages or conversations; one
   session each, times drawn by the generator's model
+- `agentic`: LLMServingSim's JSON lines of sessions: arrival_time_ns, sub_requests of
+  input/output_toks and tool_duration_ns (tool loops; `agentic_trace.py`)
 
 A trace shipped in `kvtier/data/traces/` is also reachable by its name (`sample`: the first
 minutes of Mooncake's conversation trace), wherever kvtier is installed.
@@ -18,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvtier.errors import KvtierError
+from kvtier.workload.agentic_trace import load_agentic
 from kvtier.workload.bailian import load_bailian
 from kvtier.workload.config import GeneratorConfig
 from kvtier.workload.jsonl import json_lines, read_text
@@ -27,7 +30,7 @@ from kvtier.workload.scale import scale_to_context
 from kvtier.workload.sharegpt import load_sharegpt
 from kvtier.workload.text import LengthFn, approx_tokens
 
-FORMATS = ("mooncake", "bailian", "sharegpt")
+FORMATS = ("mooncake", "bailian", "sharegpt", "agentic")
 _PEEK_LINES = 20  # a few bad lines at the top should not hide the format
 
 
@@ -63,6 +66,8 @@ def detect_format(path: str | Path) -> str:
             continue
         if "chat_id" in obj:
             return "bailian"
+        if "sub_requests" in obj or "input_toks" in obj:
+            return "agentic"
         if "messages" in obj or "conversations" in obj:
             return "sharegpt"
         if "hash_ids" in obj or "input_length" in obj:
@@ -94,6 +99,8 @@ def load_trace(
         workload = load_bailian(path)
     elif trace_format == "sharegpt":
         workload = load_sharegpt(path, config=config, seed=seed, length=length)
+    elif trace_format == "agentic":
+        workload = load_agentic(path)
     else:
         choices = ", ".join(FORMATS)
         raise KvtierError(f"unknown trace format {trace_format!r}; choose auto, {choices}")
