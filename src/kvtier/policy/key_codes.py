@@ -1,5 +1,5 @@
-"""Reuse keys (tenant, app class) as small integers, so that a decision groups thousands of
-candidate sessions by key with array passes instead of hashing a tuple per session."""
+"""Reuse keys (tenant, app class, end kind, tool) as small integers, so that a decision groups
+thousands of candidate sessions by key with array passes instead of hashing a tuple each."""
 
 from __future__ import annotations
 

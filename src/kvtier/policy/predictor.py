@@ -3,8 +3,10 @@
     p_reuse(idle, h) = P(gap <= idle + h | gap > idle) = (S(idle) - S(idle + h)) / S(idle)
 
 S(x) = P(gap > x) counts sessions that never return as gaps of infinite length. Gaps are learned
-online per (tenant, app class) in a histogram with log-spaced bins from `min_gap_s` to
-`max_age_s` (a 1 s gap and a 1 h gap both matter; a fixed number of bins keeps memory bounded).
+online per reuse key (tenant, app class, how the turn before the gap ended, the tool it called)
+in a histogram with log-spaced bins from `min_gap_s` to `max_age_s` (a 1 s gap and a 1 h gap
+both matter; a fixed number of bins keeps memory bounded). A client's hints (close, expected
+return) replace the learned distribution for that session (`cdf_table`).
 A session idle longer than `max_age_s` is counted once as "never returned", which estimates
 P(no return); consistently, p_reuse is 0 beyond that age.
 
