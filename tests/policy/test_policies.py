@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from kvtier.errors import KvtierError
 from kvtier.policy.actions import Drop, Keep, Move
+from kvtier.policy.close_lru import CloseAwareLruPolicy
 from kvtier.policy.config import load_config
+from kvtier.policy.continuum import ContinuumPolicy
 from kvtier.policy.cost_policy import CostPolicy
 from kvtier.policy.ledger import BudgetError, Ledger
 from kvtier.policy.offload import OffloadPolicy
@@ -25,8 +27,10 @@ from kvtier.policy.view import (
     ChunkView,
     PolicyView,
     QueueView,
+    SessionHints,
     SessionView,
     TierView,
+    TurnView,
 )
 from kvtier.sim.holding import HoldingIndex
 
@@ -40,6 +44,8 @@ def all_policies(kv) -> list:
         RecomputePolicy(),
         OffloadPolicy(),
         TtlPolicy(),
+        ContinuumPolicy(),
+        CloseAwareLruPolicy(),
         CostPolicy(kv.slow_model()),
         OraclePolicy(arrivals),
     ]
@@ -146,6 +152,14 @@ def views(draw) -> tuple[PolicyView, float]:
             access = draw(st.floats(0, now))
             chunks.append((j, tier, size, access))
         idle = draw(st.one_of(st.none(), st.floats(0, now)))
+        # how the last turn ended and what the client hinted: the agent policies act on them
+        end = draw(st.sampled_from([None, "answer", "tool_call"]))
+        finished = idle if idle is not None else None
+        turn = TurnView(0.0, 16, finished, end, "run" if end == "tool_call" else None)
+        hints = SessionHints(
+            close=draw(st.booleans()) and draw(st.booleans()),
+            expect_return_s=draw(st.one_of(st.none(), st.floats(0.5, 600))),
+        )
         sessions.append(
             SessionView(
                 f"s{i}",
@@ -156,6 +170,8 @@ def views(draw) -> tuple[PolicyView, float]:
                 pinned=draw(st.booleans()) and draw(st.booleans()),
                 priority=draw(st.integers(-1, 1)),
                 ttl_s=draw(st.one_of(st.none(), st.floats(1, 200))),
+                turns=(turn,),
+                hints=hints,
             )
         )
     used = dict.fromkeys(tiers, 0)

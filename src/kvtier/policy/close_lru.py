@@ -39,12 +39,12 @@ class CloseAwareLruPolicy(RetentionPolicy):
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         ledger = Ledger(view)
         actions: list[Action] = []
-        for session in view.candidates(now):
-            if session.hints.close:
-                for chunk in session.stored_chunks():
-                    drop = Drop(session.session_id, chunk.index)
-                    ledger.apply(drop)
-                    actions.append(drop)
+        closed = [s for s in view.candidates(now) if s.hints.close]
+        for session in sorted(closed, key=lambda s: s.session_id):  # whatever the view's order
+            for chunk in session.stored_chunks():
+                drop = Drop(session.session_id, chunk.index)
+                ledger.apply(drop)
+                actions.append(drop)
         for tier in view.tiers:
             need = ledger.used(tier.name) - int(self.watermark * tier.capacity_bytes)
             if tier.name == "device":
