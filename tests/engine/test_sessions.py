@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvtier.clock import VirtualClock
 from kvtier.engine import SamplingParams
 from kvtier.engine.sessions import SessionTracker, TurnKind
+from kvtier.session_hints import SessionHints
 
 
 def test_turn_kinds_follow_the_gap_since_the_previous_turn_ended():
@@ -116,3 +117,25 @@ def test_beyond_max_sessions_the_least_recently_active_is_forgotten():
     again = tracker.start_turn("b", "b1", 10)  # forgotten: new again, and c goes
     assert again.kind is TurnKind.NEW and again.turn_index == 0
     assert list(tracker.sessions) == ["a", "d", "b"] and tracker.num_evicted == 2
+
+
+def test_a_turn_records_how_it_ended_and_its_hints():
+    clock = VirtualClock(0.0)
+    tracker = SessionTracker(clock)
+    hints = SessionHints(expect_return_s=3.0)
+    tracker.start_turn("s", "r1", 10, hints)
+    tracker.end_turn("r1", "length")
+    tracker.start_turn("s", "r2", 20)
+    tracker.end_turn("r2", "answer")
+    # the server's parser found a tool call in r2's reply, after the engine ended it
+    assert tracker.mark_end("s", "r2", "tool_call", "search")
+    assert not tracker.mark_end("s", "r9", "tool_call", "search")  # no such turn
+    assert not tracker.mark_end("gone", "r2", "tool_call", "search")
+    first, second = tracker.turns("s")
+    assert (first.end, first.tool, first.hints) == ("length", None, hints)
+    assert (second.end, second.tool, second.hints.empty) == ("tool_call", "search", True)
+    # a mark made while the turn still ran is not overwritten when it ends
+    tracker.start_turn("s", "r3", 30)
+    tracker.mark_end("s", "r3", "tool_call", "edit")
+    tracker.end_turn("r3", "answer")
+    assert tracker.turns("s")[-1].end == "tool_call"
