@@ -326,12 +326,21 @@ def test_required_lets_the_model_name_the_tool_and_an_unusable_call_is_text(clie
 
 
 @pytest.mark.slow
-def test_a_forced_call_that_does_not_parse_is_answered_as_text(client):
+def test_a_forced_call_that_does_not_parse_is_answered_as_text(client, engine):
     """Forcing is by prompt, not constrained decoding: on this question the embedded model
-    closes the call's JSON and writes on, so the reply is text, opening included."""
+    closes the call's JSON and writes on, so the reply is text, opening included. The session
+    still waits on the tool it was forced to call."""
     messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    headers = {"X-Session-ID": "forced"}
     for stream in (False, True):
-        resp = ask(client, messages, tools=[WEATHER], tool_choice=FORCE_WEATHER, stream=stream)
+        resp = ask(
+            client,
+            messages,
+            tools=[WEATHER],
+            tool_choice=FORCE_WEATHER,
+            stream=stream,
+            extra_headers=headers,
+        )
         if stream:
             chunks = list(resp)
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -342,6 +351,8 @@ def test_a_forced_call_that_does_not_parse_is_answered_as_text(client):
             content, finish = resp.choices[0].message.content, resp.choices[0].finish_reason
         assert content.startswith(HERMES.forced_start("get_weather") + " {")
         assert finish in ("stop", "length")
+        record = engine.sessions.turns("alice/forced")[-1]
+        assert (record.end, record.tool) == ("tool_call", "get_weather")
 
 
 @pytest.mark.slow

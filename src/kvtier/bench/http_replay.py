@@ -13,8 +13,13 @@ bench --server URL` writes the report an engine run writes, with the same field 
   to `/v1/chat/completions` (the server applies the chat template the engine replay applies),
   with the answers the server really gave resent as history; length-only traces as the engine
   replay's synthetic token ids to `/v1/completions`.
-- Responses are streamed (SSE): the first chunk that carries text is the first token, the gaps
-  between text chunks are the inter-token latencies. Greedy, `ignore_eos`, answers as long as
+- A tool loop (a chat session whose workload says some replies are tool calls) is sent as an
+  agent sends it (`tool_loop.py`): `tools`, `tool_choice` naming the tool on a turn that ends
+  in a call, the calls in the history and the tools' results as `tool` messages. A turn's
+  session hints go in the body's `kvtier_session`.
+- Responses are streamed (SSE): the first chunk that carries text or a tool call is the first
+  token, the gaps between such chunks are the inter-token latencies (a server that holds a
+  call back until it is whole sends it in one chunk). Greedy, `ignore_eos`, answers as long as
   the workload says.
 - Where the history came from is the server's usage: `usage.kvtier.prompt_token_sources`
   (device / host / disk / remote), or, from a server without the kvtier extension,
@@ -46,6 +51,13 @@ from kvtier.bench.replay import (
     common_prefix,
     history_sources,
     synthetic_token_ids,
+)
+from kvtier.bench.tool_loop import (
+    assistant_message,
+    calls_tools,
+    tool_choice,
+    tool_definitions,
+    tool_messages,
 )
 from kvtier.errors import KvtierError
 from kvtier.results.records import RequestRecord, RunRecords, TurnKind
@@ -129,8 +141,9 @@ class _Session:
     `session_tokens`, and the answers it got (resent as history)."""
 
     answers: dict[int, str] = field(default_factory=dict)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # the server's tool calls
     last_finish_s: float | None = None
-    last_messages: list[dict[str, str]] | None = None
+    last_messages: list[dict[str, Any]] | None = None
     last_token_ids: list[int] | None = None
     last_total_tokens: int = 0  # prompt + answer tokens of the last finished turn
 
@@ -141,6 +154,7 @@ class _Stream:
 
     token_times: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     usage: Mapping[str, Any] | None = None
     error: str | None = None
 
@@ -196,6 +210,9 @@ class _Driver:
             if turns[k + 1].think_s is not None
         }
         self.sessions = {session: _Session() for session in by_session}
+        self.turns = by_session
+        self.loops = {session for session, turns in by_session.items() if calls_tools(turns)}
+        self.tools = tool_definitions(requests)
         self.records: list[RequestRecord] = []
         self.started = 0.0
 
@@ -277,8 +294,16 @@ class _Driver:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if request.messages:
+        if not request.hints.empty:
+            body["kvtier_session"] = request.hints.given()
+        if request.session_id in self.loops:
+            turns = self.turns[request.session_id]
+            body["messages"] = tool_messages(request, turns, session.answers, session.calls)
+            body["tools"] = self.tools
+            body["tool_choice"] = tool_choice(request)
+        elif request.messages:
             body["messages"] = chat_messages(request, session.answers)
+        if "messages" in body:
             history = self._chat_history(session, body["messages"])
             return "/v1/chat/completions", body, history
         body["prompt"] = synthetic_token_ids(request, self.vocab_size)
@@ -286,7 +311,7 @@ class _Driver:
         return "/v1/completions", body, _full_blocks(history)
 
     @staticmethod
-    def _chat_history(session: _Session, messages: list[dict[str, str]]) -> int:
+    def _chat_history(session: _Session, messages: list[dict[str, Any]]) -> int:
         """The previous turn's prompt + answer when this prompt resends them unchanged: the
         chat template renders the earlier messages as the same leading tokens."""
         if session.last_messages is None:
@@ -331,9 +356,13 @@ class _Driver:
         for choice in event.get("choices") or ():
             delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            if text:
+            calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+            if text or calls:
                 stream.token_times.append(self.now())
+            if text:
                 stream.text.append(text)
+            for call in calls or ():  # each whole, as kvtier serve sends them
+                stream.tool_calls.append({k: v for k, v in call.items() if k != "index"})
 
     def _fill(self, record: RequestRecord, stream: _Stream, history: int, finish_s: float) -> None:
         times = stream.token_times
@@ -364,10 +393,20 @@ class _Driver:
         answer = "".join(stream.text)
         session.answers[request.turn_index] = answer
         session.last_finish_s = finish_s
-        total = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-        session.last_total_tokens = total
+        prompt = int(usage.get("prompt_tokens") or 0)
+        session.last_total_tokens = prompt + int(usage.get("completion_tokens") or 0)
         if "messages" in body:
-            session.last_messages = [*body["messages"], {"role": "assistant", "content": answer}]
+            reply: dict[str, Any] = {"role": "assistant", "content": answer}
+            if "tools" in body:
+                if stream.tool_calls:
+                    session.calls[request.turn_index] = stream.tool_calls[0]
+                call = session.calls.get(request.turn_index)
+                reply = assistant_message(request, answer, call)
+                if request.end == "tool_call" and call is None:
+                    # the history resends the workload's call, not the reply the server
+                    # computed: of this turn, only its prompt is history
+                    session.last_total_tokens = prompt
+            session.last_messages = [*body["messages"], reply]
         else:
             session.last_token_ids = list(body["prompt"])
 

@@ -8,6 +8,9 @@
   the next arrival, so idle stretches (minutes between turns, hours between sessions) take
   no wall time while everything that runs is timed for real. The engine, its session
   tracker and its retention policy see this trace time through the clock.
+- A turn's session hints go with its request; a turn the workload says ended in a tool call
+  is marked so in the engine when it finishes (`Engine.mark_turn_end`), as a server marks a
+  reply its parser read as a call. The next turn follows after the tool's run time (`think_s`).
 - Per request it records, on that clock, the send time, first-scheduled time, every token's
   time, the turn kind the engine's `SessionTracker` gave it, and where the prompt's history
   came from (`restored_tokens`) into `kvtier.results` records. A request the engine refuses
@@ -218,6 +221,7 @@ def replay(
                 request_id=request.request_id,
                 session_id=request.session_id,
                 tenant=request.tenant,
+                hints=request.hints,
             )
         except KvtierError as exc:
             record.turn_kind = _kind_without_engine(engine, request, send_at)
@@ -272,6 +276,7 @@ def replay(
                 _finish(flight, out, t)
                 if not flight.record.failed:
                     session_tokens[flight.request.session_id] = flight.token_ids + flight.output_ids
+                    _mark_tool_call(engine, flight.request)
                 done(flight, t)
     wall_s = time.perf_counter() - started
     records.sort(key=lambda r: (r.arrival_s, r.request_id))
@@ -294,6 +299,14 @@ def replay(
         skipped_s=clock.skipped_s,
         engine_stats=dict(vars(stats)) if hasattr(stats, "__dict__") else {},
     )
+
+
+def _mark_tool_call(engine: Engine, request: Request) -> None:
+    """Tell the engine a turn ended in a tool call, as `kvtier serve` does once its parser reads
+    the call: the model here writes no real calls, but the workload knows how the agent's turn
+    ended, so the retention policy sees the tool loop a server would show it."""
+    if request.end == "tool_call":
+        engine.mark_turn_end(request.session_id, request.request_id, "tool_call", request.tool)
 
 
 def _finish(flight: _InFlight, out: RequestOutput, t: float) -> None:

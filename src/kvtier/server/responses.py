@@ -79,7 +79,7 @@ async def complete(
         if tools is not None:
             parsed = tools.read(text)
             message, finish = reply_message(parsed, finish)
-            await mark_tool_call(state.engine, session_id, request_id, parsed)
+            await mark_tool_call(state.engine, session_id, request_id, tools.called(parsed))
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
@@ -175,7 +175,8 @@ async def sse(
                         yield chunk(text, None)
                     for call in call_deltas:  # each whole: its name and all its arguments
                         yield chunk(None, None, tool_calls=[call])
-                    await mark_tool_call(state.engine, session_id, request_id, calls.parsed)
+                    called = calls.turn.called(calls.parsed)
+                    await mark_tool_call(state.engine, session_id, request_id, called)
                 yield chunk(None, finish)
                 break
             out = await anext(stream, None)

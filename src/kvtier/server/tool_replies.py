@@ -73,13 +73,13 @@ def _partial_start(text: str, start: str) -> int:
 
 
 async def mark_tool_call(
-    engine: Engine, session_id: str | None, request_id: str, parsed: ParsedReply
+    engine: Engine, session_id: str | None, request_id: str, tool: str | None
 ) -> None:
-    """Tell the engine the session's turn ended in a call (it tells an answer from a cut-off
-    reply itself). In a thread: the engine's lock is held through a model step."""
-    if session_id is not None and parsed.tool_calls:
-        name = parsed.tool_calls[0].name
-        await asyncio.to_thread(engine.mark_turn_end, session_id, request_id, "tool_call", name)
+    """Tell the engine the session's turn ended in a call of `tool` (`ToolTurn.called`; None:
+    no call, and the engine tells an answer from a cut-off reply itself). In a thread: the
+    engine's lock is held through a model step."""
+    if session_id is not None and tool is not None:
+        await asyncio.to_thread(engine.mark_turn_end, session_id, request_id, "tool_call", tool)
 
 
 def _call_json(call: ToolCall) -> dict[str, Any]:

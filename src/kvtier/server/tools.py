@@ -5,7 +5,8 @@ the reply, how the reply is read).
 Forcing is by prompt, not by constrained decoding: `required` or a named function starts
 the reply with the parser's call opening (`<tool_call>\\n{"name": "get_weather",
 "arguments":`) and stops it at the call's end. The arguments are the model's to write, and
-may still not be JSON; such a reply is answered as text.
+may still not be JSON; such a reply is answered as text, but a session's turn forced into
+a named tool still counts as ended by a call of it (`ToolTurn.called`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ class ToolTurn:
     reads_calls: bool  # False under tool_choice "none": the reply is text, whatever it says
     reply_start: str  # a forced call's opening: ends the prompt, begins the reply's text
     first_call_only: bool  # parallel_tool_calls false
+    forced: str | None = None  # the tool the reply was forced to call, when tool_choice names it
 
     @property
     def stop(self) -> list[str]:
         """A forced reply ends with its one call."""
         return [self.parser.end] if self.reply_start else []
+
+    def called(self, parsed: ParsedReply) -> str | None:
+        """The tool the reply called: its first call's, else the forced tool's. A forced reply
+        opens with the call and the tool's name, written by the server, so the model was
+        calling that tool even where its arguments do not parse: the client gets text, but the
+        session waits on that tool as an agent's would (a replay that forces an agent's
+        recorded calls relies on it)."""
+        return parsed.tool_calls[0].name if parsed.tool_calls else self.forced
 
     def read(self, text: str) -> ParsedReply:
         """The reply's content and calls. Calls of a tool not offered (a small model invents
@@ -75,6 +85,7 @@ def tool_turn(body: ChatCompletionRequest, parser: ToolParser) -> ToolTurn | Non
         reads_calls=choice != "none",
         reply_start=reply_start,
         first_call_only=body.parallel_tool_calls is False,
+        forced=forced,
     )
 
 
