@@ -29,7 +29,9 @@ DEFAULT_OUT = "out/analyze"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n", 3)[3]
-    parser.add_argument("trace", nargs="?", help="trace file (Mooncake, Qwen-Bailian, ShareGPT)")
+    parser.add_argument(
+        "trace", nargs="?", help="trace file (Mooncake, Qwen-Bailian, ShareGPT, agentic)"
+    )
     trace_format = parser.add_argument(
         "--trace-format",
         default="auto",
