@@ -207,7 +207,7 @@ def _session(session_id: str, line: SessionLine, hasher: BlockHasher) -> Session
                 hash_ids=hash_ids,
                 think_s=think,
                 end=end,
-                tool=(call.tool or GENERIC_TOOL) if end == "tool_call" else call.tool,
+                tool=(call.tool or GENERIC_TOOL) if end == "tool_call" else None,
                 hints=call.hints,
             )
         )
