@@ -10,31 +10,16 @@ does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvtier.policy.actions import Action, Drop
-from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.ledger import Ledger
-from kvtier.policy.lru import make_room
+from kvtier.policy.offload import OffloadPolicy
 from kvtier.policy.view import PolicyView
-
-if TYPE_CHECKING:
-    from kvtier.policy.config import PolicyConfig
-    from kvtier.policy.cost_model import CostModel
 
 
 @dataclass
-class CloseAwareLruPolicy(RetentionPolicy):
-    watermark: float = 0.9
+class CloseAwareLruPolicy(OffloadPolicy):
     name = "close-lru"
-
-    def __post_init__(self) -> None:
-        if not 0 < self.watermark <= 1:
-            raise ValueError(f"watermark is a share of capacity in (0, 1], not {self.watermark}")
-
-    @classmethod
-    def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
-        return cls(watermark=config.offload.watermark)
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         ledger = Ledger(view)
@@ -45,9 +30,4 @@ class CloseAwareLruPolicy(RetentionPolicy):
                 drop = Drop(session.session_id, chunk.index)
                 ledger.apply(drop)
                 actions.append(drop)
-        for tier in view.tiers:
-            need = ledger.used(tier.name) - int(self.watermark * tier.capacity_bytes)
-            if tier.name == "device":
-                need = max(need, view.bytes_needed - ledger.free("device") if view.pressure else 0)
-            actions += make_room(view, ledger, now, tier.name, need, view.tier_names)
-        return actions
+        return actions + self.cascade(view, ledger, now)

@@ -18,19 +18,14 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.policy.actions import Action
-from kvtier.policy.base import RetentionPolicy
 from kvtier.policy.ledger import Ledger
 from kvtier.policy.lru import make_room
+from kvtier.policy.offload import OffloadPolicy
 from kvtier.policy.view import PolicyView, SessionView
-
-if TYPE_CHECKING:
-    from kvtier.policy.config import PolicyConfig
-    from kvtier.policy.cost_model import CostModel
 
 MAX_TOOLS = 256  # tool names remembered (least recently seen forgotten): bounded memory
 RUNS_PER_TOOL = 256  # recent run times kept per tool
@@ -75,23 +70,17 @@ class ToolRunTimes:
 
 
 @dataclass
-class ContinuumPolicy(RetentionPolicy):
+class ContinuumPolicy(OffloadPolicy):
     quantile: float = 0.9
     max_ttl_s: float = 120.0
     hint_margin: float = 1.5
-    watermark: float = 0.9
     runs: ToolRunTimes = field(default_factory=ToolRunTimes)
     name = "continuum"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.quantile < 1:
             raise ValueError(f"quantile must be in (0, 1), not {self.quantile}")
-        if not 0 < self.watermark <= 1:
-            raise ValueError(f"watermark is a share of capacity in (0, 1], not {self.watermark}")
-
-    @classmethod
-    def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
-        return cls(watermark=config.offload.watermark)
 
     def ttl_s(self, session: SessionView) -> float | None:
         """How long the session's KV stays pinned after its last turn; None: not pinned."""
@@ -106,14 +95,8 @@ class ContinuumPolicy(RetentionPolicy):
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
         self.runs.observe(view.sessions)
-        pinned = self._with_pins(view, now)
         ledger = Ledger(view)
-        actions: list[Action] = []
-        for tier in view.tiers:
-            need = ledger.used(tier.name) - int(self.watermark * tier.capacity_bytes)
-            if tier.name == "device":
-                need = max(need, view.bytes_needed - ledger.free("device") if view.pressure else 0)
-            actions += make_room(pinned, ledger, now, tier.name, need, view.tier_names)
+        actions = self.cascade(self._with_pins(view, now), ledger, now)
         if view.pressure and "device" in view.tier_names:
             # the pins give way rather than hold the queue back
             short = view.bytes_needed - ledger.free("device")

@@ -35,7 +35,11 @@ class OffloadPolicy(RetentionPolicy):
         return cls(watermark=config.offload.watermark)
 
     def decide(self, view: PolicyView, now: float) -> list[Action]:
-        ledger = Ledger(view)
+        return self.cascade(view, Ledger(view), now)
+
+    def cascade(self, view: PolicyView, ledger: Ledger, now: float) -> list[Action]:
+        """The LRU cascade over `view`'s movable sessions, applied to `ledger` (policies built
+        on this one choose what `view` lets it move)."""
         actions: list[Action] = []
         for tier in view.tiers:
             need = ledger.used(tier.name) - int(self.watermark * tier.capacity_bytes)
