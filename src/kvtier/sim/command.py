@@ -30,7 +30,7 @@ from kvtier.workload.flags import add_workload_arguments
 if TYPE_CHECKING:
     from kvtier.policy.config import PolicyConfig
     from kvtier.sim.deployment import Deployment
-    from kvtier.workload.model import Request
+    from kvtier.workload.model import Request, Workload
 
 DEFAULT_OUT = "out/simulate"
 # [tiers] keys a simulated replica has no use for: it models tiers by size and link alone
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.sim.simulator import simulate
     from kvtier.sim.step_model import StepModel
 
-    requests = _requests(args)
+    requests = _requests(args, measured.get("config") if measured else None)
     histories = None
     if args.lengths_from:
         from kvtier.sim.validation import measured_lengths
@@ -342,20 +342,23 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _requests(args: argparse.Namespace) -> list[Request]:
+def _requests(args: argparse.Namespace, like: Any = None) -> list[Request]:
+    """The workload's requests; `like` (a bench run's results `config`, with --against) makes
+    them that run's: the sessions it kept (`--sessions`) and its lengths' scale."""
     from kvtier.sim.quiet_gc import without_cyclic_gc
     from kvtier.workload.model import flatten
     from kvtier.workload.source import load_workload
 
     with without_cyclic_gc():  # a large workload is millions of objects that all live on
-        requests = flatten(
-            load_workload(
-                args.workload,
-                settings=args.workload_set,
-                trace_format=args.trace_format,
-                seed=args.seed,
-            )
+        workload = load_workload(
+            args.workload,
+            settings=args.workload_set,
+            trace_format=args.trace_format,
+            seed=args.seed,
         )
+        if like is not None:
+            workload = _as_replayed(workload, like, args.session_resume_after_s)
+        requests = flatten(workload)
     if not requests:
         raise KvtierError(f"workload {args.workload} holds no requests")
     if args.lengths_from:
@@ -366,6 +369,25 @@ def _requests(args: argparse.Namespace) -> list[Request]:
         found = sum(1 for r in requests if r.request_id in lengths)
         print(f"lengths of {found} of {len(requests)} requests from {args.lengths_from}")
     return requests
+
+
+def _as_replayed(workload: Workload, like: Any, resume_after_s: float) -> Workload:
+    """`workload` cut to the sessions a bench run kept and scaled as it was (the run's
+    `config.workload` records both)."""
+    from kvtier.workload.scale import scale_lengths
+    from kvtier.workload.subset import keep_sessions
+
+    recorded = like.get("workload") if isinstance(like, dict) else None
+    if not isinstance(recorded, dict):
+        return workload
+    kept = recorded.get("sessions")
+    if isinstance(kept, int) and 0 < kept < len(workload.sessions):
+        workload = keep_sessions(workload, kept, resume_after_s)
+    scale = recorded.get("length_scale")
+    if isinstance(scale, float) and 0 < scale < workload.length_scale:
+        factor = scale / workload.length_scale
+        workload = scale_lengths(workload, factor, f"lengths scaled by {factor:.4g} as the run's")
+    return workload
 
 
 def _deployment(args: argparse.Namespace, hardware: str) -> Deployment:

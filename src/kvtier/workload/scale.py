@@ -27,11 +27,17 @@ def scale_to_context(workload: Workload, context_tokens: int) -> Workload:
         note = f"longest prompt + answer ({longest:,} tokens) already fits {context_tokens:,}"
         return replace(workload, notes=[*workload.notes, note])
     factor = context_tokens / longest
-    sessions = [_scaled_session(session, factor) for session in workload.sessions]
     note = (
         f"lengths scaled by {factor:.4g} so the longest prompt + answer ({longest:,} tokens) "
         f"fits {context_tokens:,}"
     )
+    return scale_lengths(workload, factor, note)
+
+
+def scale_lengths(workload: Workload, factor: float, note: str) -> Workload:
+    """A copy with every length multiplied by `factor` (< 1), as `scale_to_context` does; a
+    replay of another run's scaled workload gives that run's factor."""
+    sessions = [_scaled_session(session, factor) for session in workload.sessions]
     return replace(
         workload,
         sessions=sessions,
