@@ -33,6 +33,12 @@ class SessionHints:
     ttl_s: float | None = None
 
     @property
+    def pins(self) -> bool:
+        """Whether the hints hold the session in place: `pin`, unless `close` says it is over
+        (close wins, on every path)."""
+        return self.pin and not self.close
+
+    @property
     def empty(self) -> bool:
         return self == NO_HINTS
 

@@ -128,3 +128,16 @@ def test_cost_drops_a_closed_session_before_one_that_may_return(kv):
     v = PolicyView((closed, other), tiers, bytes_per_token=131_072)
     actions = CostPolicy(kv.slow_model()).decide(v, 5.0)
     assert {a.session_id for a in kv.dropped(actions)} == {"closed"}
+
+
+def test_a_close_releases_a_pin_in_the_views_the_engine_and_simulator_build():
+    from kvtier.sim.session import SimSession
+    from kvtier.workload.model import Request
+
+    request = Request("s/0", "s", 0, 0.0, "t", "chat", 10, 1, (), 16.0, [], None)
+    session = SimSession(request, chunk_tokens=256)
+    session.hints = SessionHints(pin=True)
+    assert session.view().pinned
+    session.hints = SessionHints(pin=True, close=True)
+    session.changed()
+    assert not session.view().pinned  # closed: the policies may drop it

@@ -177,7 +177,7 @@ class PolicyRunner:
                     chunks=chunks,
                     active=active,
                     idle_since=None if active else last.ended_at,
-                    pinned=hints.pin,
+                    pinned=hints.pins,
                     priority=hints.priority,
                     ttl_s=hints.ttl_s,
                     hints=hints,

@@ -53,7 +53,9 @@ class ChunkView:
 class SessionView:
     """One conversation. `active` sessions are running or queued: their KV is in use and no
     policy touches it. The client's hints for it travel in `hints` (`SessionHints`); `pinned`,
-    `priority` and `ttl_s` are the overrides in force (a pin past the tenant's quota is not)."""
+    `priority` and `ttl_s` are the overrides in force (`pinned` is `hints.pins`: a close
+    releases a pin). `kvtier serve` bounds a pin by the tenant's quota where it pins the
+    session's device blocks, not here."""
 
     session_id: str
     tenant: str = "default"

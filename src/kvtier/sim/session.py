@@ -139,7 +139,7 @@ class SimSession:
                 chunks=chunks,
                 active=self.active,
                 idle_since=self.idle_since,
-                pinned=self.hints.pin,
+                pinned=self.hints.pins,
                 priority=self.hints.priority,
                 ttl_s=self.hints.ttl_s,
                 hints=self.hints,
