@@ -12,9 +12,10 @@ import torch
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import WorkerReply
-from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity
+from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity, load_limit
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.settings import parse_settings
+from kvtier.load_limit import LoadLimit
 
 BLOCK = 16
 
@@ -108,6 +109,26 @@ def test_identity_from_kv_transfer_params_else_cache_salt():
     assert identity(sent) == ("acme", "s1")
     assert identity(FakeVllmRequest("b", [1] * 40, "salt")) == ("salt", None)
     assert identity(FakeVllmRequest("c", [1] * 40, None, {"session_id": 7})) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("params", "expected", "warned"),
+    [
+        ({}, LoadLimit(), False),
+        ({"kv_load_tiers": ["host"]}, LoadLimit(frozenset({"host"})), False),
+        ({"kv_load_tiers": "disk"}, LoadLimit(frozenset({"disk"})), False),
+        ({"kv_load_tiers": []}, LoadLimit(frozenset()), False),  # load nothing
+        ({"kv_load_tiers": ["host", "gpu"]}, LoadLimit(frozenset({"host"})), True),
+        ({"kv_load_tiers": ["cpu"]}, LoadLimit(), True),  # only unknown names: every tier
+        ({"max_load_tokens": 256}, LoadLimit(max_tokens=256), False),
+        ({"max_load_tokens": -1}, LoadLimit(), True),
+        ({"max_load_tokens": True}, LoadLimit(), True),
+    ],
+)
+def test_load_limit_follows_vllms_offloading_semantics(params, expected, warned, caplog):
+    sent = FakeVllmRequest("r", [1] * 40, None, params)
+    assert load_limit(sent, ("host", "disk")) == expected
+    assert any("ignored" in r.getMessage() for r in caplog.records) == warned
 
 
 def test_a_prompt_that_extends_an_earlier_turn_continues_its_session():

@@ -15,7 +15,10 @@ turn 3 of `--history`'s session in a fresh process whose disk tier is `--disk-di
 only (a redis-server this script starts on `--redis-port`): turns 1-2, then the server is
 stopped and turn 3 runs. `hints`: a host tier; two sessions' turns sent with session hints in
 `kv_transfer_params["kvtier_session"]` (one of them invalid), then what the connector's
-retention policy sees of each session.
+retention policy sees of each session. `load-control`: a host tier with `restore = "plan"`
+and a cost profile whose full planner would recompute a front and load the back (which vLLM
+cannot take): turn 1, turn 2 sent with `kv_load_tiers: []`, turn 3 as it comes, vLLM's prefix
+cache emptied before each resumed turn.
 """
 
 from __future__ import annotations
@@ -50,8 +53,19 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
     if mode == "baseline":
         return None
     tiers: dict = {"chunk_tokens": 128}
+    policy: dict = {"name": "retain"}
     if mode in ("host", "hints"):
         tiers["host_bytes"] = "256MiB"
+    elif mode == "load-control":
+        tiers.update(host_bytes="256MiB", restore="plan")
+        # a link slow enough that recomputing the cheap front while the back loads would beat
+        # loading everything, and loading everything still beats recomputing everything
+        policy["profile"] = {
+            "prefill_fixed_s": 0.0,
+            "prefill_token_s": 8e-5,
+            "prefill_pair_s": 2e-7,
+            "links": {"host": {"bandwidth": 5e8}},
+        }
     elif mode == "redis":
         # a generous read timeout: the test counts tokens loaded, and a loaded CI machine once
         # took over the 0.25 s default for a loopback read (the fallback is recompute)
@@ -64,7 +78,7 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"tiers": tiers, "policy": {"name": "retain"}},
+        "kv_connector_extra_config": {"tiers": tiers, "policy": policy},
     }
 
 
@@ -178,7 +192,8 @@ def start_redis(port: int) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "mode", choices=("baseline", "host", "disk", "disk-resume", "redis", "hints")
+        "mode",
+        choices=("baseline", "host", "disk", "disk-resume", "redis", "hints", "load-control"),
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--disk-dir")
@@ -211,10 +226,18 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict = {"mode": args.mode, "load_s": time.perf_counter() - started, "turns": []}
 
-    def turn(prompt: list[int], note: str) -> list[int]:
+    def turn(prompt: list[int], note: str, transfer: dict | None = None) -> list[int]:
         before = report()
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)
+        params = greedy
+        if transfer is not None:
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": transfer},
+            )
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         output = list(out[0].outputs[0].token_ids)
         result["turns"].append(
             {
@@ -237,6 +260,13 @@ def main() -> None:
         result["flipped_bytes"] = corrupt(Path(args.disk_dir))
         llm.reset_prefix_cache()
         turn(prompt, "turn 3 from corrupted records")
+    elif args.mode == "load-control":
+        prompt = user_tokens(0)
+        for index, transfer in enumerate((None, {"kv_load_tiers": []}, None)):
+            if index:
+                llm.reset_prefix_cache()
+            output = turn(prompt, f"turn {index + 1}", transfer)
+            prompt = prompt + output + user_tokens(index + 1)
     elif redis is not None:
         prompt = user_tokens(0)
         for index in range(3):

@@ -106,7 +106,9 @@ class Turn:
     sources: dict[str, int]  # usage.kvtier.prompt_token_sources
 
 
-def chat(base_url: str, session: str, messages: list[dict[str, str]]) -> Turn:
+def chat(
+    base_url: str, session: str, messages: list[dict[str, str]], extra: dict | None = None
+) -> Turn:
     client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     response = client.chat.completions.create(
         model="smollm2",
@@ -114,7 +116,7 @@ def chat(base_url: str, session: str, messages: list[dict[str, str]]) -> Turn:
         max_tokens=MAX_TOKENS,
         temperature=0,
         extra_headers={"X-Session-ID": session},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **(extra or {})},
     )
     usage = response.usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -134,13 +136,13 @@ def first_turn(base_url: str) -> Turn:
     return turn
 
 
-def second_turn(base_url: str, first: Turn) -> Turn:
+def second_turn(base_url: str, first: Turn, extra: dict | None = None) -> Turn:
     messages = [
         {"role": "user", "content": FIRST},
         {"role": "assistant", "content": first.text},
         {"role": "user", "content": SECOND},
     ]
-    return chat(base_url, "a", messages)
+    return chat(base_url, "a", messages, extra)
 
 
 def conversation(base_url: str) -> tuple[Turn, Turn]:

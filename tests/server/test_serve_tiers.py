@@ -7,9 +7,19 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.server.serve_process import BIN, SMALL_POOL, ServeProcess, Turn, conversation, metric
+from tests.server.serve_process import (
+    BIN,
+    SMALL_POOL,
+    ServeProcess,
+    Turn,
+    conversation,
+    first_turn,
+    metric,
+    second_turn,
+)
 from tests.tiers.conftest import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -40,6 +50,35 @@ def test_host_tier_restores_a_session_pushed_off_the_device(tmp_path: Path, refe
     assert restored == turns[1].sources["host"]
     assert metric(metrics, "kvtier:tier_capacity_bytes", tier="host") > 0
     assert metric(metrics, "kvtier:tier_used_bytes", tier="host") > 0
+
+
+def test_a_request_that_loads_from_no_tier_recomputes_and_answers_the_same(
+    tmp_path: Path, reference
+):
+    server = ServeProcess(tmp_path / "serve.log", *SMALL_POOL, "--host-bytes", "64MiB").start()
+    try:
+        first = first_turn(server.base_url)
+        bad = [
+            ({"kv_load_tiers": ["gpu"]}, "no tier 'gpu' here (tiers: host)"),
+            ({"kv_load_tiers": [1]}, "a list of tier names"),
+            ({"max_load_tokens": -5}, "a non-negative integer"),
+        ]
+        for params, words in bad:
+            response = httpx.post(
+                server.base_url + "/v1/completions",
+                json={"model": "smollm2", "prompt": "hi", "kv_transfer_params": params},
+                timeout=60,
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert words in error["message"]
+            assert error["param"].startswith("kv_transfer_params.")
+        second = second_turn(server.base_url, first, {"kv_transfer_params": {"kv_load_tiers": []}})
+    finally:
+        server.stop()
+    assert second.sources["host"] == 0
+    assert second.sources == reference[1].sources  # as a server without tiers recomputes
+    assert second.text == reference[1].text
 
 
 def test_disk_tier_restores_it(tmp_path: Path, reference):

@@ -138,6 +138,7 @@ class TieredConnector:
             self.tokens,
         )
         self.restorer.layered = layered
+        self.restorer.prefix_only = not context.loads_after_recompute
         if self.persistent:
             how = "as they are written" if copies else "when demoted"
             log.info(

@@ -102,6 +102,9 @@ class Restorer:
         # The layer-wise pipelined restore: set by the connector when it is configured and
         # the engine's forward calls `layer_ready`.
         self.layered = False
+        # Set by the connector for an engine that takes loads only right after its own hits
+        # (`EngineContext.loads_after_recompute` False): plans load a prefix, then prefill.
+        self.prefix_only = False
         self._loader: LayerLoader | None = None
         self._fills: list[_Fill] = []  # this step's, to undo what a failed layer discards
 
@@ -476,6 +479,7 @@ class Restorer:
         device after a run the prefill recomputes come as Load(None, ...), except for a
         prefetch.
 
+        Chunks the request's `load_limit` does not allow count as stored nowhere.
         `restore="load"` loads every stored chunk; runs of blocks stored nowhere (holes) are
         recomputed and the loads after them go on. `restore="plan"` follows the restore
         planner (`policy.restore`): the front it recomputes while the back loads."""
@@ -486,11 +490,23 @@ class Restorer:
         found: list[Load] = []
         runs: list[tuple[int, int, str | None]] = []  # every run of blocks and its tier
         stored = self.chunks.any_stored()
+        limit = request.load_limit
+        budget = max_blocks if limit.max_tokens is None else limit.max_tokens // self.block_size
         pos = start
         while pos < max_blocks:
             grid_end = min((pos // k + 1) * k, max_blocks)
             hit = self.chunks.find_stored(keys, pos // k, namespace, pos) if stored else None
             chunk, shared = hit if hit is not None else (None, 0)
+            if chunk is not None:
+                blocks = min((pos // k) * k + shared, grid_end) - pos
+                refused = limit.tiers is not None and not limit.allows(self.chunks.locate(chunk.id))
+                if refused or blocks > budget:
+                    # the request does not load from that tier, or no more: recomputed
+                    chunk, shared = None, 0
+                    if not for_prefetch:
+                        self.counters["restore_chunks_refused_by_request"] += 1
+                else:
+                    budget -= blocks
             cached = 0 if chunk is not None else self.chunks.cached_run(keys[pos:grid_end])
             if cached:
                 runs.append((pos, pos + cached, DEVICE))
@@ -518,7 +534,7 @@ class Restorer:
         return loads
 
     def _plan(self, runs: list[tuple[int, int, str | None]], count: bool) -> RestorePlan:
-        from kvtier.policy.restore import plan_restore
+        from kvtier.policy.restore import plan_prefix_restore, plan_restore
         from kvtier.policy.view import ChunkView
 
         bs = self.block_size
@@ -533,7 +549,8 @@ class Restorer:
             )
             for i, (first, end, tier) in enumerate(runs)
         ]
-        plan = plan_restore(views, self.cost_model())
+        planner = plan_prefix_restore if self.prefix_only else plan_restore
+        plan = planner(views, self.cost_model())
         if count:
             self.counters[f"restore_plan_{plan.kind}"] += 1
         return plan

@@ -129,6 +129,9 @@ class EngineContext:
     # The forward calls `KVConnector.layer_ready` before each layer's attention and the
     # engine `finish_layer_loads` after it: loads may overlap the forward layer by layer.
     layer_hook: bool = False
+    # The engine can prefill a run and then take loaded KV after it within one prompt (its
+    # scheduler asks `next_load_position`); vLLM takes loaded KV only right after its hits.
+    loads_after_recompute: bool = True
 
 
 @runtime_checkable

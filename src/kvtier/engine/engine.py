@@ -45,6 +45,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sessions import SessionTracker
 from kvtier.engine.stream_loop import StepLoop
 from kvtier.errors import KvtierError
+from kvtier.load_limit import NO_LOAD_LIMIT, LoadLimit
 from kvtier.models import resolve_model_dir
 from kvtier.models.identity import model_digest
 from kvtier.models.tokenizer import chat_token_ids, load_tokenizer
@@ -198,14 +199,19 @@ class Engine:
         session_id: str | None = None,
         tenant: str | None = None,
         hints: SessionHints = NO_HINTS,
+        load_limit: LoadLimit = NO_LOAD_LIMIT,
     ) -> str:
         """Queue a request (text, token ids, or chat messages); returns its id.
 
         `tenant` salts the block keys: requests of different tenants never share KV.
         `hints` (with a `session_id`) tell the retention policy about the session's future.
+        `load_limit` bounds what a restore of its history may load (tiers, tokens).
         Raises KvtierError for input that cannot be served (empty, too long, bad params).
         """
-        request = self._add(prompt, sampling_params, request_id, session_id, tenant, hints=hints)
+        request = self._add(
+            prompt, sampling_params, request_id, session_id, tenant, hints=hints,
+            load_limit=load_limit,
+        )  # fmt: skip
         return request.request_id
 
     def _add(
@@ -217,6 +223,7 @@ class Engine:
         tenant: str | None,
         return_prompt_logits: bool = False,
         hints: SessionHints = NO_HINTS,
+        load_limit: LoadLimit = NO_LOAD_LIMIT,
     ) -> Request:
         params = _to_params(sampling_params)
         token_ids = self._tokenize(prompt)
@@ -232,6 +239,7 @@ class Engine:
             tenant=tenant,
             return_prompt_logits=return_prompt_logits,
         )
+        request.load_limit = load_limit
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise KvtierError(f"request id {request_id!r} is already in flight")
@@ -631,6 +639,7 @@ class Engine:
         session_id: str | None = None,
         tenant: str | None = None,
         hints: SessionHints = NO_HINTS,
+        load_limit: LoadLimit = NO_LOAD_LIMIT,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are produced; the last has finished=True.
 
@@ -653,8 +662,9 @@ class Engine:
         self._subscribers[request_id] = deliver
         try:
             await asyncio.to_thread(
-                self.add_request, prompt, sampling_params, request_id, session_id, tenant, hints
-            )
+                self.add_request,
+                prompt, sampling_params, request_id, session_id, tenant, hints, load_limit,
+            )  # fmt: skip
         except BaseException:
             self._subscribers.pop(request_id, None)
             raise

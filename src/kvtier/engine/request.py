@@ -11,6 +11,7 @@ import torch
 
 from kvtier.engine.hashing import extend_block_keys
 from kvtier.engine.sampling import SamplingParams
+from kvtier.load_limit import NO_LOAD_LIMIT
 
 
 class RequestStatus(enum.Enum):
@@ -85,6 +86,8 @@ class Request:
         # Prompt tokens found in the prefix cache at first admission (None until admitted).
         self.num_cached_tokens: int | None = None
         self.block_keys: list[bytes] = []
+        # which tiers a restore may load this request's history from, and how much of it
+        self.load_limit = NO_LOAD_LIMIT
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())

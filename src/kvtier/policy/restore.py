@@ -21,6 +21,15 @@ recompute), so its plan is never slower than either under the cost model.
 
 The plan is the model's prediction of where the two sides meet; an executor that recomputes
 forward and loads backward until they meet (as Cake does) adapts to the real speeds.
+
+An engine that takes loaded KV only right after its own prefix hits, before the forward
+(vLLM's connector interface), cannot recompute a front and load a back. For it,
+`plan_prefix_restore` weighs the plans it can run: load a leading run of stored chunks, then
+prefill the rest, one after the other:
+
+    seconds(t) = sum of load over [0, t) + sum of recompute over [t, n)
+
+minimised over t up to the first chunk stored nowhere.
 """
 
 from __future__ import annotations
@@ -36,13 +45,15 @@ from kvtier.policy.forms import chunk_restore_s
 from kvtier.policy.view import ChunkView
 from kvtier.vocab import DEVICE
 
-PlanKind = Literal["load", "recompute", "bidirectional"]
+PlanKind = Literal["load", "recompute", "bidirectional", "prefix"]
 
 
 @dataclass(frozen=True)
 class RestorePlan:
     kind: PlanKind
-    split: int  # positions [0, split) are recomputed unless on the device already
+    # positions [0, split) are recomputed unless on the device already; for a "prefix" plan,
+    # [0, split) are loaded and [split, n) recomputed
+    split: int
     recompute: tuple[int, ...]  # chunk indices to prefill, in order
     loads: tuple[int, ...]  # chunk indices to load, in issue order
     compute_s: float  # total recompute time
@@ -99,6 +110,34 @@ def pure_recompute(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan
     """Recompute everything not on the device."""
     costs = _Costs.of(chunks, model)
     return _plan(costs, len(costs.chunks))
+
+
+def plan_prefix_restore(chunks: Sequence[ChunkView], model: CostModel) -> RestorePlan:
+    """The fastest plan that loads a leading run of chunks and recomputes the rest after it
+    (loads and prefill in sequence); ties go to the one that recomputes less."""
+    costs = _Costs.of(chunks, model)
+    n = len(costs.chunks)
+    first_missing = next((i for i, c in enumerate(costs.chunks) if c.tier is None), n)
+    compute_suffix = [0.0, *accumulate(reversed(costs.compute))][::-1]
+    best_cut, best_seconds, loaded_s = 0, compute_suffix[0], 0.0
+    for cut in range(1, first_missing + 1):
+        loaded_s += costs.load[cut - 1]
+        if loaded_s + compute_suffix[cut] <= best_seconds:
+            best_cut, best_seconds = cut, loaded_s + compute_suffix[cut]
+    positions = range(n)
+    loads = [i for i in positions if i < best_cut and costs.chunks[i].tier != DEVICE]
+    recompute = [i for i in positions if i >= best_cut and costs.chunks[i].tier != DEVICE]
+    kind: PlanKind = "recompute" if not loads else "load" if not recompute else "prefix"
+    index = [chunk.index for chunk in costs.chunks]
+    return RestorePlan(
+        kind=kind,
+        split=best_cut,
+        recompute=tuple(index[i] for i in recompute),
+        loads=tuple(index[i] for i in loads),
+        compute_s=sum(costs.compute[i] for i in recompute),
+        load_s=sum(costs.load[i] for i in loads),
+        seconds=best_seconds,
+    )
 
 
 def _plan(costs: _Costs, split: int) -> RestorePlan:

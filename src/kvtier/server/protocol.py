@@ -104,6 +104,7 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     kvtier_session: dict[Text, Any] | None = None  # session hints: session_hints_request.py
+    kv_transfer_params: dict[Text, Any] | None = None  # vLLM's; load limits are read
     nvext: dict[Text, Any] | None = None  # Dynamo's extensions: agent_hints.priority is read
     ignore_eos: StrictBool | None = None  # vLLM extension
     stop_token_ids: Annotated[list[Int64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None

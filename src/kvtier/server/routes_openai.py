@@ -21,6 +21,7 @@ from kvtier.errors import KvtierError
 from kvtier.models.tool_parsers import TOOL_PARSERS
 from kvtier.server.api_errors import APIError
 from kvtier.server.auth import Auth, Caller
+from kvtier.server.load_limit_request import read_load_limit
 from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.responses import complete, sse
 from kvtier.server.session_hint_effects import SessionHintEffects
@@ -124,13 +125,18 @@ def openai_router(state: ServerState) -> APIRouter:
         params = _sampling_params(body, max_tokens or default, tools.stop if tools else [])
         session_id = _session_id(request, body, who)
         hinted = read_session_hints(request.headers, body, session_id)
+        connector = engine.connector
+        tier_names = tuple(connector.store.tiers) if connector is not None else ()
+        load_limit = read_load_limit(body.kv_transfer_params, tier_names)
         request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         await hint_effects.admit(who, session_id, hinted)
         state.acquire(who)
         streaming = bool(body.stream)
         replies = tools if tools is not None and tools.reads_calls else None
         stream = hint_effects.follow(
-            engine.stream(token_ids, params, request_id, session_id, who.salt, hinted.hints),
+            engine.stream(
+                token_ids, params, request_id, session_id, who.salt, hinted.hints, load_limit
+            ),
             who,
             session_id,
             hinted.hints,

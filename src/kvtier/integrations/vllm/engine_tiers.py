@@ -44,6 +44,7 @@ from kvtier.integrations.vllm.requests import (
     RequestView,
     SessionChains,
     identity,
+    load_limit,
     session_hints,
 )
 from kvtier.integrations.vllm.settings import ConnectorSettings
@@ -74,8 +75,10 @@ class EngineTiers:
                 kv_quant=None,
                 sessions=self.sessions,
                 queue=lambda: _NO_QUEUE,
+                loads_after_recompute=False,  # vLLM takes loads only after its own hits
             )
         )
+        self.tier_names = tuple(self.connector.store.tiers)
         self.lock = threading.RLock()
         self.views: dict[str, RequestView] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # id -> (first block, block ids)
@@ -105,6 +108,7 @@ class EngineTiers:
         if view is None:
             tenant, session_id = identity(record)
             view = RequestView(record, self.model, tenant, session_id)
+            view.load_limit = load_limit(record, self.tier_names)
             if view.session_id is None:
                 keys = view.keys_of_full_blocks(self.block_size)
                 view.session_id = self.chains.session_of(keys, view.request_id)
