@@ -195,6 +195,8 @@ def describe_class(node: ast.ClassDef) -> dict:
             attributes.update(t.id for t in item.targets if isinstance(t, ast.Name))
         elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
             decorators = _decorators(item)
+            if "cached_property" in decorators:
+                decorators.add("property")  # read as an attribute all the same
             kind = next(
                 (k for k in ("classmethod", "staticmethod", "property") if k in decorators),
                 "instance",
