@@ -32,8 +32,11 @@ class KvtierStats(KVConnectorStats):
         line: dict[str, int | float] = {}
         for key, value in self.data.items():
             parsed = parse_key(key)
-            if value and parsed is not None and parsed[0].kind == "counter":
-                line[key] = round(value, 3) if isinstance(value, float) else value
+            if parsed is None or parsed[0].kind != "counter":
+                continue
+            shown = round(value, 3) if isinstance(value, float) else value
+            if shown:  # a few microseconds of load wait are not worth a place on the line
+                line[key] = shown
         return line
 
     def is_empty(self) -> bool:
