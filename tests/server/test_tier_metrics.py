@@ -76,3 +76,15 @@ def test_tier_errors_are_counted_by_reason_every_reason_from_the_start():
     errors = "kvtier:tier_errors_total"
     assert metric(text, errors, tier="disk", reason="no_space") == 3
     assert f'{errors}{{model_name="smollm2",reason="io",tier="host"}} 0.0' in text
+
+
+def test_tier_reads_and_writes_are_counted_in_bytes_and_seconds():
+    metrics = ServerMetrics("smollm2")
+    figures = {"bytes_read": 50, "read_seconds": 0.25, "bytes_written": 4096, "write_seconds": 0.5}
+    tiers = {"tiers": {"host": {"used_bytes": 0, "capacity_bytes": 1000, "chunks": 0, **figures}}}
+    stats = EngineStats(0, 0, 16, 0, 0, 0.0, 0, 0, 0, 0, 0, tiers=tiers)
+    text = metrics.render(stats, []).decode()
+    assert metric(text, "kvtier:tier_read_bytes_total", tier="host") == 50
+    assert metric(text, "kvtier:tier_read_seconds_total", tier="host") == 0.25
+    assert metric(text, "kvtier:tier_written_bytes_total", tier="host") == 4096
+    assert metric(text, "kvtier:tier_write_seconds_total", tier="host") == 0.5

@@ -35,7 +35,13 @@ def connector_stats(
 ) -> dict[str, Any]:
     snapshot = store.snapshot()
     tiers = {
-        name: {key: tier[key] for key in _TIER_FIELDS if key in tier}
+        name: {
+            **{key: tier[key] for key in _TIER_FIELDS if key in tier},
+            # seconds spent in the tier's reads and writes (all of them: restores, prefetches,
+            # write-through, moves between tiers)
+            "read_seconds": tier["get_latency"]["sum_s"],
+            "write_seconds": tier["put_latency"]["sum_s"],
+        }
         for name, tier in snapshot["tiers"].items()
     }
     moves = {

@@ -111,6 +111,19 @@ def restore_source(sources: dict[str, int]) -> str:
     return "device" if sources["device"] else "recomputed"
 
 
+# a tier's reads and writes: (its field in the engine's tier stats, series, help)
+TIER_TRAFFIC = (
+    ("bytes_read", "tier_read_bytes", "Bytes read from a KV tier (restores, prefetches, moves)."),
+    ("read_seconds", "tier_read_seconds", "Seconds spent reading from a KV tier."),
+    (
+        "bytes_written",
+        "tier_written_bytes",
+        "Bytes written to a KV tier (write-through, spills, moves).",
+    ),
+    ("write_seconds", "tier_write_seconds", "Seconds spent writing to a KV tier."),
+)
+
+
 class TierCollector:
     """Tier budgets and the policy's decision counts from the engine stats of the last
     scrape: the engine keeps the cumulative counts, so they are reported as they are."""
@@ -134,10 +147,16 @@ class TierCollector:
             "OS error), corrupt, rejected, failed (tier down, record gone), unexpected.",
             labels=[*labels, "reason"],
         )
+        traffic = [
+            (field, CounterMetricFamily(f"kvtier:{name}", text, labels=labels))
+            for field, name, text in TIER_TRAFFIC
+        ]
         for tier, figures in self.tiers.get("tiers", {}).items():
             used.add_metric([self.model_name, tier], figures.get("used_bytes", 0))
             capacity.add_metric([self.model_name, tier], figures.get("capacity_bytes", 0))
             chunks.add_metric([self.model_name, tier], figures.get("chunks", 0))
+            for field, family in traffic:
+                family.add_metric([self.model_name, tier], figures.get(field, 0))
             counted = figures.get("errors_by_reason", {})
             for reason in ERROR_REASONS:  # every series exists from the start, at 0
                 errors.add_metric([self.model_name, tier, reason], counted.get(reason, 0))
@@ -149,7 +168,7 @@ class TierCollector:
         policy = str(self.tiers.get("policy", ""))
         for decision, count in self.tiers.get("decisions", {}).items():
             decisions.add_metric([self.model_name, policy, decision], count)
-        yield from (used, capacity, chunks, errors, decisions)
+        yield from (used, capacity, chunks, *(family for _, family in traffic), errors, decisions)
 
 
 class SessionCollector:

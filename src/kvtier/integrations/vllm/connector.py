@@ -23,7 +23,6 @@ the background, so `request_finished` never delays vLLM's freeing.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,13 +39,16 @@ from kvtier.integrations.vllm.compat import refuse_sleep_mode, unchecked_release
 from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
+from kvtier.integrations.vllm.prom_metrics import KvtierPromMetrics
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm.series import Deltas, totals
 from kvtier.integrations.vllm.settings import describe, parse_settings
-from kvtier.integrations.vllm.stats import KvtierStats, totals
+from kvtier.integrations.vllm.stats import KvtierStats
 from kvtier.models.identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,7 +121,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.warning("kvtier: %s", note)
         self._scheduler = SchedulerSide(block_size, chunk_tokens)
         self._tiers: EngineTiers | None = None
-        self._reported: Counter[str] = Counter()  # totals already reported to vLLM
+        self._deltas = Deltas()  # what was reported to vLLM so far
 
     # asked by vLLM 0.34 and later only (compat.py): refused at configuration time
     @classmethod
@@ -181,10 +183,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KvtierStats | None:
         if self._tiers is None:
             return None
-        now = totals(self._tiers.stats())
-        delta = {name: value - self._reported[name] for name, value in now.items()}
-        self._reported = now
-        return KvtierStats(data=delta)
+        changed = self._deltas.since_last(totals(self._tiers.stats()))
+        return KvtierStats(data=changed) if changed else None
 
     def shutdown(self) -> None:
         if self._tiers is not None:
@@ -230,3 +230,13 @@ class KvtierConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats | None:
         return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

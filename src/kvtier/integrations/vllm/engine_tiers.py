@@ -26,6 +26,7 @@ stats).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from kvtier.cache.connector import TieredConnector
@@ -86,6 +87,7 @@ class EngineTiers:
         self._load_errors: set[int] = set()
         self._promised: dict[str, int] = {}  # request id -> tokens promised, until allocated
         self._replies: dict[str, tuple[int, int]] = {}  # answers for this step's reply
+        self.load_seconds = 0.0  # the steps' waits for loads (the forward runs after them)
 
     # ----- before the forward ------------------------------------------------------------
 
@@ -148,7 +150,9 @@ class EngineTiers:
             self._admitted.append(view)
 
     def _run_loads(self) -> None:
+        start = time.perf_counter()
         failed = self.connector.wait_for_loads()
+        self.load_seconds += time.perf_counter() - start
         for rid, first_bad in failed.items():
             first, ids = self._loading.get(rid, (first_bad, []))
             self._load_errors.update(ids[first_bad - first :])
@@ -222,7 +226,7 @@ class EngineTiers:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            return self.connector.stats()
+            return {**self.connector.stats(), "load_seconds": self.load_seconds}
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the writes in flight (tests and benchmarks measure a settled state)."""

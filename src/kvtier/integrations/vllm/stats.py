@@ -1,40 +1,21 @@
-"""KvtierStats: the connector's counts through vLLM's connector-stats hooks.
+"""KvtierStats: the connector's figures through vLLM's connector-stats hooks.
 
-vLLM collects `get_kv_connector_stats()` each step (from the scheduler-side connector too),
-sums them with `aggregate` and logs `reduce()` per interval. Each report here is the change
-since the last one of kvtier's counters that say what the connector did: prompt tokens
-loaded per tier, write-through chunks and bytes, failed loads. kvtier's full report
-(tiers, moves, policy decisions) stays in `EngineTiers.stats()`.
+The worker's connector reports each step the change of its series since the last report
+(`series.py`); vLLM carries it to its front end, sums the steps of an interval with
+`aggregate`, hands each step's change to `prom_metrics.KvtierPromMetrics` and logs
+`reduce()` once per interval as its "KV Transfer metrics" line. The line shows the counters
+that moved in the interval under their series keys (`prompt_tokens_by_source{source=host}`,
+`restored_chunks`, `tier_errors{tier=disk,reason=io}`); gauges (a tier's used bytes) are on
+/metrics only, where their value, not their change, is shown.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.vocab import SOURCES
-
-_COUNTERS = (
-    "restored_chunks",
-    "restore_failures",
-    "written_through_chunks",
-    "written_through_bytes",
-    "write_through_failures",
-)
-
-
-def totals(report: dict[str, Any]) -> Counter[str]:
-    """The running totals reported to vLLM, from kvtier's connector report."""
-    counters = report["counters"]
-    out: Counter[str] = Counter()
-    for source in SOURCES:
-        out[f"tokens_{source}"] = report["tokens"].get(source, 0)
-    for name in _COUNTERS:
-        out[name] = counters.get(name, 0)
-    out["tier_errors"] = sum(t.get("errors", 0) for t in report["tiers"].values())
-    return out
+from kvtier.integrations.vllm.series import parse_key
 
 
 class KvtierStats(KVConnectorStats):
@@ -48,7 +29,15 @@ class KvtierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {name: value for name, value in self.data.items() if value}
+        line: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            parsed = parse_key(key)
+            if parsed is None or parsed[0].kind != "counter":
+                continue
+            shown = round(value, 3) if isinstance(value, float) else value
+            if shown:  # a few microseconds of load wait are not worth a place on the line
+                line[key] = shown
+        return line
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.reduce()  # nothing for the line (a gauge's change is not shown)
