@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
+from kvtier.integrations.vllm.kv_events import KvtierKVEvents, SchedulerEvents, worker_events
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
@@ -45,6 +47,7 @@ from kvtier.models.identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -112,7 +115,11 @@ class KvtierConnector(KVConnectorBase_V1):
         route_logs_to_vllm()
         if role == KVConnectorRole.SCHEDULER:  # once per engine, not once per process
             log.info("kvtier: %s", describe(self._settings, transfer.kv_load_failure_policy))
-        self._scheduler = SchedulerSide(block_size, chunk_tokens)
+        # the tiers' placements in vLLM's KV events: only when vLLM publishes events
+        events = vllm_config.kv_events_config
+        self._kv_events = bool(events is not None and events.enable_kv_cache_events)
+        self._pending_events = SchedulerEvents() if self._kv_events else None
+        self._scheduler = SchedulerSide(block_size, chunk_tokens, self._kv_events)
         self._tiers: EngineTiers | None = None
         self._reported: Counter[str] = Counter()  # totals already reported to vLLM
 
@@ -132,6 +139,7 @@ class KvtierConnector(KVConnectorBase_V1):
             num_blocks,
             config.cache_config.block_size,
             model_identity(str(config.model_config.model)),
+            kv_events=self._kv_events,
         )
         REGISTRY.add(self._engine_id, self._tiers)
 
@@ -176,6 +184,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._reported = now
         return KvtierStats(data=delta)
 
+    def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
+        if self._tiers is None or self._tiers.events is None:
+            return None
+        shared = frozenset(t.name for t in self._tiers.connector.store.shared_tiers)
+        return worker_events(self._tiers.take_tier_events(), shared)
+
     def shutdown(self) -> None:
         if self._tiers is not None:
             self._tiers.close()
@@ -210,6 +224,12 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             self._scheduler.on_reply(meta.reply)
+        events = connector_output.kv_cache_events
+        if self._pending_events is not None and isinstance(events, KvtierKVEvents):
+            self._pending_events.add(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._pending_events.take() if self._pending_events is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
