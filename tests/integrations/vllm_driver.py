@@ -18,7 +18,11 @@ stopped and turn 3 runs. `hints`: a host tier; two sessions' turns sent with ses
 retention policy sees of each session. `load-control`: a host tier with `restore = "plan"`
 and a cost profile whose full planner would recompute a front and load the back (which vLLM
 cannot take): turn 1, turn 2 sent with `kv_load_tiers: []`, turn 3 as it comes, vLLM's prefix
-cache emptied before each resumed turn.
+cache emptied before each resumed turn. `events`: vLLM's KV events on, published over
+ZMQ to a SUB socket this process binds on a free loopback port (vLLM's publisher connects);
+a host tier of 3 chunks over a disk tier of 4: turns 1-3, the flood and turn 4 make the
+host demote and the disk drop; then the events received, what each tier holds (as token
+ids) and the store's moves.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ BLOCKS = 24  # vLLM's KV space in 128-token blocks: a 2,400-token flood evicts t
 FLOOD_TOKENS = 2400
 MAX_TOKENS = 16
 EXTRA_TOKENS = (600, 150, 150, 150)  # new user tokens of turns 1-4
+# one 128-token chunk of the embedded model in float32: 30 layers x K,V x 3 heads x 64 x 4 B
+CHUNK_BYTES = 128 * 30 * 2 * 3 * 64 * 4
 
 
 def user_tokens(turn: int) -> list[int]:
@@ -66,6 +72,9 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
             "prefill_pair_s": 2e-7,
             "links": {"host": {"bandwidth": 5e8}},
         }
+    elif mode == "events":
+        tiers.update(host_bytes=3 * CHUNK_BYTES + 4096, disk_dir=disk_dir)
+        tiers["disk_bytes"] = 4 * CHUNK_BYTES + (256 << 10)  # records carry a small header
     elif mode == "redis":
         # a generous read timeout: the test counts tokens loaded, and a loaded CI machine once
         # took over the 0.25 s default for a loopback read (the fallback is recompute)
@@ -79,6 +88,125 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"tiers": tiers, "policy": policy},
+    }
+
+
+class EventSubscriber:
+    """vLLM's KV event stream, decoded on its own thread: a SUB socket bound to a free loopback
+    port (`endpoint`), which vLLM's publisher connects to, as a router's indexer would."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self.events: list[dict] = []
+        self.last_received = time.monotonic()
+        self._running = True
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        import zmq
+
+        while self._running:
+            try:
+                _topic, _seq, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            for event in self._decode(payload).events:
+                self.events.append({"type": type(event).__name__, **as_dict(event)})
+            self.last_received = time.monotonic()
+
+    def settle(self, quiet_s: float = 2.0, limit_s: float = 30.0) -> None:
+        """Wait until nothing has arrived for `quiet_s`."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() - self.last_received < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+
+
+def as_dict(event) -> dict:
+    out = {}
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        if isinstance(value, bytes):
+            value = value.hex()
+        elif isinstance(value, list):
+            value = [v.hex() if isinstance(v, bytes) else v for v in value]
+        out[name] = value
+    return out
+
+
+def tier_contents(sequences: list[list[int]]) -> dict[str, list[list[int]]]:
+    """Each tier's chunks as their token ids, from the token sequences this run sent: kvtier's
+    chunk ids of every full chunk of each sequence, matched against the store's index."""
+    from kvtier.integrations.vllm import REGISTRY
+    from kvtier.integrations.vllm.requests import RequestRecord, RequestView
+    from kvtier.tiers import chunk_id
+
+    engine = REGISTRY.all()[0]
+    per_chunk = engine.connector.blocks_per_chunk
+    tokens_of: dict[bytes, list[int]] = {}
+    for tokens in sequences:
+        view = RequestView(RequestRecord("seq", tokens, len(tokens)), engine.model, None, None)
+        keys = view.keys_of_full_blocks(engine.block_size)
+        span = per_chunk * engine.block_size
+        for start in range(0, len(keys) - per_chunk + 1, per_chunk):
+            first = start * engine.block_size
+            tokens_of[chunk_id(keys[start : start + per_chunk])] = tokens[first : first + span]
+    store = engine.connector.store
+    return {tier: [tokens_of.get(cid) for cid in store.chunks_in(tier)] for tier in store.order}
+
+
+def events_run(llm, subscriber: EventSubscriber) -> dict:
+    """Turns 1-3, the flood, turn 4; then the settled tiers and the events about them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm import REGISTRY
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sequences: list[list[int]] = []
+
+    def send(prompt: list[int]) -> list[int]:
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy, use_tqdm=False)
+        output = list(out.outputs[0].token_ids)
+        sequences.append(prompt + output)
+        return output
+
+    prompt = user_tokens(0)
+    for index in range(3):
+        if index:
+            llm.reset_prefix_cache()
+        prompt = prompt + send(prompt) + user_tokens(index + 1)
+    send(flood_tokens())
+    send(prompt)
+    engine = REGISTRY.all()[0]
+    engine.flush(30)
+    # the last writes' placements leave with the next step: one short request drives it
+    tick = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([TokensPrompt(prompt_token_ids=[7, 8, 9])], tick, use_tqdm=False)
+    subscriber.settle()
+    subscriber.close()
+    stats = engine.stats()
+    return {
+        "events": subscriber.events,
+        "held": tier_contents(sequences),
+        "moves": {name: move["ops"] for name, move in stats["moves"].items()},
+        "counters": stats["counters"],
     }
 
 
@@ -193,7 +321,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "mode",
-        choices=("baseline", "host", "disk", "disk-resume", "redis", "hints", "load-control"),
+        choices=(
+            "baseline",
+            "host",
+            "disk",
+            "disk-resume",
+            "redis",
+            "hints",
+            "load-control",
+            "events",
+        ),
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--disk-dir")
@@ -210,6 +347,15 @@ def main() -> None:
 
     from kvtier.models.embedded import ensure_embedded_model
 
+    events_config = None
+    subscriber = None
+    if args.mode == "events":
+        from vllm.config import KVEventsConfig
+
+        subscriber = EventSubscriber()
+        events_config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=subscriber.endpoint
+        )
     started = time.perf_counter()
     llm = LLM(
         model=str(ensure_embedded_model()),
@@ -222,6 +368,7 @@ def main() -> None:
         # what the connector makes vLLM do anyway: the same KV manager in every mode
         disable_hybrid_kv_cache_manager=True,
         kv_transfer_config=tiers_config(args.mode, args.disk_dir, remote_url),
+        kv_events_config=events_config,
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict = {"mode": args.mode, "load_s": time.perf_counter() - started, "turns": []}
@@ -252,6 +399,8 @@ def main() -> None:
 
     if args.mode == "hints":
         result.update(hinted_sessions(llm))
+    elif subscriber is not None:
+        result.update(events_run(llm, subscriber))
     elif args.mode == "disk-resume":
         history = json.loads(args.history.read_text())["turns"]
         prompt = user_tokens(0) + history[0]["output"] + user_tokens(1)

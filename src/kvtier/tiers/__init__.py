@@ -16,6 +16,7 @@ _EXPORTS = {
     "Mover": "kvtier.tiers.mover",
     "Payload": "kvtier.tiers.payload",
     "Placement": "kvtier.tiers.store",
+    "PlacementListener": "kvtier.tiers.store",
     "Prefetch": "kvtier.tiers.mover",
     "RedisTier": "kvtier.tiers.redis_tier",
     "RejectedRecord": "kvtier.tiers.base",

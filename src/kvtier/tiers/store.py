@@ -14,6 +14,9 @@ holding each chunk, and a recency order per tier. It:
   on the thread that moves it: the mover's worker;
 - deletes; and follows tiers that drop entries on their own (disk GC, Redis budget) through
   their `on_evict` hook;
+- tells an optional `listener` each time a chunk enters or leaves a tier's place in the
+  index (`PlacementListener`: stored on write, demotion, discovery, taking a copy;
+  removed on demotion, drop, delete, failed read, a tier's own eviction);
 - keeps a second copy of a tier's chunks in a tier below it where asked (`copy_to`, e.g.
   {"host": "disk"}: the host's chunks written through to a persistent disk tier, so they
   outlive the process). The index still names one tier per chunk, the upper one, which
@@ -52,6 +55,12 @@ Recode = Callable[[Payload, str], Payload]
 DISCOVER_DEADLINE_S = 0.1
 CALLER = "caller"  # the other end of puts and promotes (the engine's device memory)
 DROPPED = "dropped"  # where a chunk demoted off the last tier goes
+
+# listener(chunk id, tier it left or None, tier it entered or None): called under the store's
+# lock, in the order the index changed, from whichever thread changed it (often the mover's
+# worker), so it must be quick and must not call back into the store. Copies (`copy_to`) are
+# not placements: the index names the tier that serves a chunk's reads.
+PlacementListener = Callable[[bytes, str | None, str | None], None]
 
 
 def chunk_id(block_keys: Sequence[bytes]) -> bytes:
@@ -170,6 +179,7 @@ class TieredStore:
         self.misses = 0  # promotes of chunks the index does not have
         self.discovered = 0  # chunks found in a shared tier that this process never indexed
         self._discovering = False  # a discover() look-up is running
+        self.listener: PlacementListener | None = None
         for tier in tiers:
             tier.on_evict = self._evict_listener(tier.name)
 
@@ -251,8 +261,8 @@ class TieredStore:
             with self._lock:
                 for cid, entry in zip(unknown, entries, strict=True):
                     if entry is not None and cid not in self._index:
-                        self._index[cid] = Placement(tier.name, entry.nbytes, entry.form, namespace)
-                        self._recency[tier.name][cid] = None
+                        placement = Placement(tier.name, entry.nbytes, entry.form, namespace)
+                        self._index_put(cid, placement)
                         self.discovered += 1
                         found += 1
             unknown = [cid for cid, entry in zip(unknown, entries, strict=True) if entry is None]
@@ -359,10 +369,9 @@ class TieredStore:
             for entry in self.tiers[name].entries():
                 with self._lock:
                     lower = self._unindex(entry.key)
-                    self._index[entry.key] = Placement(
-                        name, entry.nbytes, entry.form, entry.namespace
+                    self._index_put(
+                        entry.key, Placement(name, entry.nbytes, entry.form, entry.namespace)
                     )
-                    self._recency[name][entry.key] = None
                 if lower is not None:
                     self.tiers[lower.tier].delete(entry.key, namespace=lower.namespace)
         return len(self._index)
@@ -383,9 +392,11 @@ class TieredStore:
             return False
         placed = Placement(target, stored.nbytes, stored.form, namespace)
         with self._lock:
-            stale = self._unindex(chunk)
-            self._index[chunk] = placed
-            self._recency[target][chunk] = None
+            # a chunk written again where it already was stays placed there: no event
+            stale = self._unindex(chunk, notify=False)
+            if stale is not None and stale.tier != target:
+                self._notify(chunk, stale.tier, None)
+            self._index_put(chunk, placed, notify=stale is None or stale.tier != target)
         if stale is not None:
             # One copy per chunk: the index now points at the new one.
             self._delete_stored(chunk, stale, keep=target)
@@ -503,8 +514,7 @@ class TieredStore:
             if self._index.get(chunk) is not placement:
                 return False
             self._unindex(chunk)
-            self._index[chunk] = copy
-            self._recency[copy.tier][chunk] = None
+            self._index_put(chunk, copy)
         self.tiers[placement.tier].delete(chunk, namespace=placement.namespace)
         return True
 
@@ -514,12 +524,30 @@ class TieredStore:
             if where is not None and where.tier != keep:
                 self.tiers[where.tier].delete(chunk, namespace=where.namespace)
 
-    def _unindex(self, chunk: bytes) -> Placement | None:
+    def _index_put(self, chunk: bytes, placement: Placement, notify: bool = True) -> None:
+        """Place an unindexed chunk (caller holds the lock)."""
+        self._index[chunk] = placement
+        self._recency[placement.tier][chunk] = None
+        if notify:
+            self._notify(chunk, None, placement.tier)
+
+    def _unindex(self, chunk: bytes, notify: bool = True) -> Placement | None:
         placement = self._index.pop(chunk, None)
         if placement is not None:
             self._recency[placement.tier].pop(chunk, None)
             self._forget_copy(placement)
+            if notify:
+                self._notify(chunk, placement.tier, None)
         return placement
+
+    def _notify(self, chunk: bytes, left: str | None, entered: str | None) -> None:
+        listener = self.listener
+        if listener is None:
+            return
+        try:
+            listener(chunk, left, entered)
+        except Exception:  # a listener's bug must not break a move (it costs its events)
+            log.exception("the store's placement listener failed")
 
     def _forget_copy(self, placement: Placement) -> None:
         copy = placement.copy
@@ -537,8 +565,7 @@ class TieredStore:
                 if placement.tier == tier_name:
                     self._unindex(key)
                     if copy is not None:  # the copy below carries on as the chunk
-                        self._index[key] = copy
-                        self._recency[copy.tier][key] = None
+                        self._index_put(key, copy)
                 elif copy is not None and copy.tier == tier_name:
                     self._forget_copy(placement)
                     placement.copy = None

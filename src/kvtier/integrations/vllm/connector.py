@@ -23,6 +23,7 @@ the background, so `request_finished` never delays vLLM's freeing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,7 @@ from vllm.version import __version__ as vllm_version
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.compat import refuse_sleep_mode, unchecked_release_note
 from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
+from kvtier.integrations.vllm.kv_events import KvtierKVEvents, SchedulerEvents, worker_events
 from kvtier.integrations.vllm.kv_port import PagedKVPort
 from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
 from kvtier.integrations.vllm.prom_metrics import KvtierPromMetrics
@@ -48,6 +50,7 @@ from kvtier.models.identity import model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -119,7 +122,11 @@ class KvtierConnector(KVConnectorBase_V1):
             log.info("kvtier: %s", describe(self._settings, transfer.kv_load_failure_policy))
             if note := unchecked_release_note(vllm_version):
                 log.warning("kvtier: %s", note)
-        self._scheduler = SchedulerSide(block_size, chunk_tokens)
+        # the tiers' placements in vLLM's KV events: only when vLLM publishes events
+        events = vllm_config.kv_events_config
+        self._kv_events = bool(events is not None and events.enable_kv_cache_events)
+        self._pending_events = SchedulerEvents() if self._kv_events else None
+        self._scheduler = SchedulerSide(block_size, chunk_tokens, self._kv_events)
         self._tiers: EngineTiers | None = None
         self._deltas = Deltas()  # what was reported to vLLM so far
 
@@ -144,6 +151,7 @@ class KvtierConnector(KVConnectorBase_V1):
             num_blocks,
             config.cache_config.block_size,
             model_identity(str(config.model_config.model)),
+            kv_events=self._kv_events,
         )
         REGISTRY.add(self._engine_id, self._tiers)
 
@@ -186,6 +194,12 @@ class KvtierConnector(KVConnectorBase_V1):
         changed = self._deltas.since_last(totals(self._tiers.stats()))
         return KvtierStats(data=changed) if changed else None
 
+    def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
+        if self._tiers is None or self._tiers.events is None:
+            return None
+        shared = frozenset(t.name for t in self._tiers.connector.store.shared_tiers)
+        return worker_events(self._tiers.take_tier_events(), shared)
+
     def shutdown(self) -> None:
         if self._tiers is not None:
             self._tiers.close()
@@ -220,6 +234,12 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             self._scheduler.on_reply(meta.reply)
+        events = connector_output.kv_cache_events
+        if self._pending_events is not None and isinstance(events, KvtierKVEvents):
+            self._pending_events.add(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._pending_events.take() if self._pending_events is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -49,6 +49,7 @@ from kvtier.integrations.vllm.requests import (
     session_hints,
 )
 from kvtier.integrations.vllm.settings import ConnectorSettings
+from kvtier.integrations.vllm.tier_events import TierEvent, TierEventLog, describe_saved
 
 _NO_QUEUE = QueueDemand()  # vLLM does not show a connector its waiting queue
 
@@ -61,6 +62,7 @@ class EngineTiers:
         num_blocks: int,
         block_size: int,
         model: str,
+        kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.model = settings.namespace or model
@@ -81,6 +83,8 @@ class EngineTiers:
         )
         self.tier_names = tuple(self.connector.store.tiers)
         self.lock = threading.RLock()
+        # what the tiers gain and lose, in vLLM's block hashes: only with vLLM's KV events on
+        self.events = _event_log(self.connector) if kv_events else None
         self.views: dict[str, RequestView] = {}
         self._loading: dict[str, tuple[int, list[int]]] = {}  # id -> (first block, block ids)
         self._admitted: list[RequestView] = []
@@ -187,6 +191,9 @@ class EngineTiers:
         k = self.connector.blocks_per_chunk
         keys = view.keys_of_full_blocks(self.block_size)[: save.end_chunk * k]
         ids = save.block_ids[: len(keys)]
+        if self.events is not None:  # before the write: its placement is announced
+            bs, k = self.block_size, self.connector.blocks_per_chunk
+            describe_saved(self.events, view.request, save, keys, k, bs)  # type: ignore[arg-type]
         with self.block_view.bind(keys, ids):
             # the gather is the copy; the tier write runs on the mover's worker
             self.connector.spiller.write_through_chunks(
@@ -222,6 +229,17 @@ class EngineTiers:
             may_hit = c.chunks.any_stored() or shared
             return WorkerReply(answers, may_hit)
 
+    def take_tier_events(self) -> list[TierEvent]:
+        """What the tiers gained and lost since the last call (empty with KV events off)."""
+        with self.lock:
+            if self.events is None:
+                return []
+            events = self.events.take()
+            counters = self.connector.counters
+            counters["kv_events_dropped"] = self.events.dropped
+            counters["kv_events_unannounced"] = self.events.unannounced
+            return events
+
     # ----- reporting and lifecycle -------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -236,6 +254,11 @@ class EngineTiers:
     def close(self) -> None:
         with self.lock:
             self.connector.close()
+
+
+def _event_log(connector: TieredConnector) -> TierEventLog:
+    writes = connector.writes
+    return TierEventLog(connector.store, lambda chunk_id: writes.staged(chunk_id) is not None)
 
 
 def _extend(view: RequestView, start: int, tokens: list[int]) -> None:

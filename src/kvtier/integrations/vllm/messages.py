@@ -40,7 +40,8 @@ class Allocation:
 class Save:
     """Chunks of a request that this step's forward completes: after the forward, copy
     chunks [first_chunk, end_chunk) out of `block_ids` (the request's blocks from its first).
-    `tokens` extend the worker's copy of the request's tokens from `tokens_from`."""
+    `tokens` extend the worker's copy of the request's tokens from `tokens_from`; with vLLM's
+    KV events on, `block_hashes` extend its copy of vLLM's block hashes from `hashes_from`."""
 
     request_id: str
     first_chunk: int
@@ -48,6 +49,8 @@ class Save:
     block_ids: list[int]
     tokens_from: int
     tokens: list[int]
+    hashes_from: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

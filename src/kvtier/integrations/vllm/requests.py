@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.engine.hashing import extend_block_keys, namespace_bytes
@@ -44,6 +44,7 @@ class VllmRequest(Protocol):
     num_computed_tokens: int
     cache_salt: str | None
     kv_transfer_params: dict[str, Any] | None
+    block_hashes: Sequence[bytes]  # vLLM's hashes of its full blocks (read for KV events)
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -52,7 +53,8 @@ class VllmRequest(Protocol):
 @dataclass
 class RequestRecord:
     """What the worker side knows of a vLLM request: the scheduler side sends it over (vLLM
-    may run them in two processes), its tokens extended as chunks fill up."""
+    may run them in two processes), its tokens extended as chunks fill up, and, with vLLM's
+    KV events on, vLLM's block hashes too (`Save.block_hashes`)."""
 
     request_id: str
     all_token_ids: list[int]
@@ -60,6 +62,7 @@ class RequestRecord:
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @classmethod
     def of(cls, request: VllmRequest) -> RequestRecord:

@@ -11,6 +11,8 @@ worker's replies:
 - every step, each scheduled request whose computed tokens reach the end of a chunk sends a
   `Save` of those chunks with its block ids: the worker copies them out after the forward.
   Saving while the request runs means `request_finished` never delays vLLM's freeing.
+  With vLLM's KV events on (`send_block_hashes`), a save carries vLLM's hashes of those
+  chunks' blocks: the worker announces what its tiers hold by them (`tier_events.py`).
 - `finished`: a `Finish` (sessions, prefix chains, the policy's view).
 """
 
@@ -34,6 +36,7 @@ from kvtier.integrations.vllm.requests import RequestRecord, VllmRequest
 class _Tracked:
     request: VllmRequest
     tokens_sent: int  # how many of its tokens the worker has
+    hashes_sent: int = 0  # how many of vLLM's block hashes the worker has
     chunks_saved: int = 0
     asked_at: int | None = None  # the vLLM hit of the lookup in flight
     answer: tuple[int, int] | None = None
@@ -41,8 +44,9 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, chunk_tokens: int) -> None:
+    def __init__(self, block_size: int, chunk_tokens: int, send_block_hashes: bool = False) -> None:
         self.block_size = block_size
+        self.send_block_hashes = send_block_hashes
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = chunk_tokens // block_size
         self.may_hit = True  # until the worker's first reply says otherwise
@@ -70,6 +74,7 @@ class SchedulerSide:
             tracked.asked_at = num_computed_tokens
             record = RequestRecord.of(request)
             tracked.tokens_sent = len(record.all_token_ids)
+            tracked.hashes_sent = 0  # the worker's record is replaced: hashes sent again
             self._messages.lookups.append(
                 Lookup(record, num_computed_tokens, ask=True, readmitted=readmitted)
             )
@@ -103,6 +108,13 @@ class SchedulerSide:
             if done <= tracked.chunks_saved:
                 continue
             tokens = list(request.all_token_ids[tracked.tokens_sent : done * self.chunk_tokens])
+            hashes: list[bytes] = []
+            # vLLM hashes every full block of its block size (one hash per block id here);
+            # hashes of another granularity would name other blocks: none are sent then
+            full_blocks = len(request.all_token_ids) // self.block_size
+            if self.send_block_hashes and len(request.block_hashes) == full_blocks:
+                end = done * self.blocks_per_chunk
+                hashes = list(request.block_hashes[tracked.hashes_sent : end])
             self._messages.saves.append(
                 Save(
                     request_id,
@@ -111,9 +123,12 @@ class SchedulerSide:
                     block_ids_of(request_id)[: done * self.blocks_per_chunk],
                     tracked.tokens_sent,
                     tokens,
+                    tracked.hashes_sent,
+                    hashes,
                 )
             )
             tracked.tokens_sent += len(tokens)
+            tracked.hashes_sent += len(hashes)
             tracked.chunks_saved = done
         messages, self._messages = self._messages, StepMessages()
         return messages
