@@ -5,7 +5,9 @@
 - With `restore = "plan"`, a plan that would recompute a front while the back loads is one
   vLLM cannot take (it takes loaded tokens only right after its own hits). The connector plans
   for what vLLM can take instead, a loaded prefix then the prefill, so the history loads
-  rather than being recomputed whole."""
+  rather than being recomputed whole.
+- `reset_prefix_cache(reset_connector=True)` (after a weight update) empties kvtier's tiers
+  too: nothing stored before it is loaded after it."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def control(tmp_path_factory) -> dict:
 
 
 def test_outputs_equal_vllm_without_the_connector(control, baseline):
-    for ours, theirs in zip(control["turns"], baseline["turns"][:3], strict=True):
+    for ours, theirs in zip(control["turns"][:3], baseline["turns"][:3], strict=True):
         assert ours["output"] == theirs["output"], ours["note"]
 
 
@@ -41,3 +43,11 @@ def test_a_plan_vllm_cannot_take_becomes_a_loaded_prefix(control):
     planned = third["counters"]
     assert planned.get("restore_plan_load", 0) + planned.get("restore_plan_prefix", 0) == 1
     assert "restore_plan_bidirectional" not in third["counters"]
+
+
+def test_a_reset_of_the_connector_drops_every_stored_chunk(control):
+    third, again = control["turns"][2], control["turns"][3]
+    assert control["reset_ok"] is True
+    assert again["counters"]["cleared_chunks"] > 0
+    assert again["tokens"] == {"recomputed": again["prompt_tokens"]}
+    assert again["output"] == third["output"]

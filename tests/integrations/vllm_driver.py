@@ -18,7 +18,8 @@ stopped and turn 3 runs. `hints`: a host tier; two sessions' turns sent with ses
 retention policy sees of each session. `load-control`: a host tier with `restore = "plan"`
 and a cost profile whose full planner would recompute a front and load the back (which vLLM
 cannot take): turn 1, turn 2 sent with `kv_load_tiers: []`, turn 3 as it comes, vLLM's prefix
-cache emptied before each resumed turn. `events`: vLLM's KV events on, published over
+cache emptied before each resumed turn; then turn 3 again after
+`reset_prefix_cache(reset_connector=True)`. `events`: vLLM's KV events on, published over
 ZMQ to a SUB socket this process binds on a free loopback port (vLLM's publisher connects);
 a host tier of 3 chunks over a disk tier of 4: turns 1-3, the flood and turn 4 make the
 host demote and the disk drop; then the events received, what each tier holds (as token
@@ -414,8 +415,12 @@ def main() -> None:
         for index, transfer in enumerate((None, {"kv_load_tiers": []}, None)):
             if index:
                 llm.reset_prefix_cache()
+            third = prompt
             output = turn(prompt, f"turn {index + 1}", transfer)
             prompt = prompt + output + user_tokens(index + 1)
+        # as after a weight update: vLLM's cache and the connector's both emptied
+        result["reset_ok"] = llm.reset_prefix_cache(reset_connector=True)
+        turn(third, "turn 3 again after a reset of the connector")
     elif redis is not None:
         prompt = user_tokens(0)
         for index in range(3):

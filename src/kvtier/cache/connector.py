@@ -187,6 +187,22 @@ class TieredConnector:
         benchmarks use it to measure a settled state."""
         return self.writes.flush(timeout)
 
+    def clear(self, timeout: float | None = 30.0) -> int:
+        """Drop every chunk this process's index holds, in every tier; returns how many.
+
+        For an engine whose weights changed (vLLM's `reset_prefix_cache(reset_connector=True)`
+        after a weight update): the stored KV was computed with the old ones. The writes in
+        flight land first, so none of the old KV is stored after. A shared tier keeps what
+        only other replicas wrote (this index never saw it): each replica clears its own."""
+        self.writes.flush(timeout)
+        dropped = 0
+        for tier in self.store.order:
+            for chunk in self.store.chunks_in(tier):
+                self.store.delete(chunk)
+                dropped += 1
+        self.counters["cleared_chunks"] += dropped
+        return dropped
+
     # ----- block events ------------------------------------------------------------------
 
     def on_block_filled(self, block_id: int, key: bytes) -> None:

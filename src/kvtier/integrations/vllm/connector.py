@@ -241,6 +241,12 @@ class KvtierConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._pending_events.take() if self._pending_events is not None else ()
 
+    def reset_cache(self) -> bool:
+        # vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: the
+        # worker drops every stored chunk before the next step's lookups
+        self._scheduler.reset()
+        return True
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -7,6 +7,7 @@ of adapters over vLLM: `PagedKVPort` (vLLM's per-layer paged KV, through its blo
 tensors are (vLLM's worker); the scheduler side (`scheduler_side.py`) reaches it only
 through each step's messages (`messages.py`):
 
+    reset       every stored chunk dropped (vLLM's weights may have changed)
     Lookup      the request is tracked (tenant, session and its hints, prefix chain),
                 discovery and prefetch start; when asked, the Restorer's plan from vLLM's
                 own hits says how many tokens kvtier can fill (the reply goes back with
@@ -99,6 +100,8 @@ class EngineTiers:
         """Finishes, lookups and allocations in the order the scheduler sent them, then this
         step's loads into vLLM's blocks."""
         with self.lock:
+            if messages.reset:
+                self.connector.clear()
             for finish in messages.finishes:
                 self._finish(finish)
             for lookup in messages.lookups:

@@ -65,6 +65,9 @@ class Finish:
 
 @dataclass
 class StepMessages:
+    # vLLM reset the connector's cache (`reset_prefix_cache(reset_connector=True)`): every
+    # stored chunk is dropped before anything else this step
+    reset: bool = False
     lookups: list[Lookup] = field(default_factory=list)
     allocations: list[Allocation] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)

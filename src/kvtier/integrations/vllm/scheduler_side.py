@@ -143,6 +143,12 @@ class SchedulerSide:
             Finish(request.request_id, computed, tracked.tokens_sent, tokens)
         )
 
+    def reset(self) -> None:
+        """vLLM asked to reset the connector's cache: the worker drops every stored chunk
+        before the next step's lookups; answers given before it may name chunks gone by then
+        (their loads fail and are recomputed)."""
+        self._messages.reset = True
+
     def on_reply(self, reply: WorkerReply) -> None:
         self.may_hit = reply.may_hit
         for request_id, answer in reply.answers.items():
