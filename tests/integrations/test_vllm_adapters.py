@@ -173,6 +173,33 @@ def test_scheduler_side_asks_the_worker_then_answers_vllm_from_its_reply():
     assert lookup.readmitted
 
 
+def test_scheduler_side_names_the_tiers_the_promised_tokens_come_from_once():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    request = FakeVllmRequest("r1", list(range(100, 200)))
+    side.on_new_request(request)
+    side.matched_tokens(request, 0)
+    side.step({}, lambda rid: [])
+    split = {"host": 32, "disk": 32}
+    side.on_reply(WorkerReply({"r1": (0, 64)}, may_hit=True, sources={"r1": split}))
+    assert side.matched_tokens(request, 0) == 64
+    side.allocated(request, list(range(7)), 64)
+    assert side.hit_sources(request, 32) == {}  # vLLM took other than promised: unknown
+    side.on_reply(WorkerReply({}, may_hit=True))
+    assert side.hit_sources(request, 64) == {}  # asked once per answer
+
+
+def test_scheduler_side_hit_sources_add_up_to_what_vllm_took():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    request = FakeVllmRequest("r1", list(range(100, 200)))
+    side.on_new_request(request)
+    side.matched_tokens(request, 0)
+    side.step({}, lambda rid: [])
+    side.on_reply(WorkerReply({"r1": (0, 64)}, may_hit=True, sources={"r1": {"host": 64}}))
+    side.matched_tokens(request, 0)
+    side.allocated(request, list(range(7)), 64)
+    assert side.hit_sources(request, 64) == {"host": 64}
+
+
 def test_scheduler_side_answers_zero_at_once_when_nothing_is_stored():
     side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
     side.on_reply(WorkerReply({}, may_hit=False))

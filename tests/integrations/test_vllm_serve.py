@@ -203,6 +203,7 @@ def test_kvtier_series_in_vllm_metrics_under_serve_names(server, serve_dir):
     assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 200
     text = httpx.get(f"{server}/metrics", timeout=10).text
     before, restored_before = sources_on(text), metric(text, "kvtier:restored_chunks_total")
+    vllm_host_before = metric(text, "vllm:prompt_tokens_cached_by_source_total", source="host")
     follow_up = {"role": "user", "content": "And which entry comes first?"}
     _, prompt, cached = turn([question, {"role": "assistant", "content": answer}, follow_up])
     assert cached >= 128
@@ -213,6 +214,9 @@ def test_kvtier_series_in_vllm_metrics_under_serve_names(server, serve_dir):
 
     text = httpx.get(f"{server}/metrics", timeout=10).text
     assert metric(text, "kvtier:restored_chunks_total") - restored_before == cached // 128
+    # vLLM's own series names the tier too (get_external_cache_hit_sources)
+    vllm_host = metric(text, "vllm:prompt_tokens_cached_by_source_total", source="host")
+    assert vllm_host - vllm_host_before == cached
     assert metric(text, "kvtier:load_seconds_total") > 0
     assert metric(text, "kvtier:tier_read_bytes_total", tier="host") > 0
     assert metric(text, "kvtier:written_through_chunks_total") > 0

@@ -222,6 +222,10 @@ class TieredConnector:
     def num_loadable_tokens(self, request: Request, num_computed_tokens: int) -> int:
         return self.restorer.loadable(request, num_computed_tokens)
 
+    def loadable_sources(self, request: Request) -> dict[str, int]:
+        """Where the tokens of the last `num_loadable_tokens` answer come from, per tier."""
+        return self.restorer.promised_sources(request.request_id)
+
     def next_load_position(self, request: Request, after: int) -> int | None:
         return self.restorer.next_position(request, after)
 

@@ -180,6 +180,16 @@ class Restorer:
         self._promised[rid] = promised
         return (promised[-1].end - promised[0].first) * self.block_size
 
+    def promised_sources(self, request_id: str) -> dict[str, int]:
+        """The tokens the request's promised loads take from each tier (its last
+        `loadable` answer, until the loads are allocated)."""
+        sources: Counter[str] = Counter()
+        for load in self._promised.get(request_id, ()):
+            if load.chunk is not None:
+                tier = self.chunks.locate(load.chunk.id)
+                sources[tier or "unknown"] += (load.end - load.first) * self.block_size
+        return dict(sources)
+
     def _pass(self, request: Request, plan: list[Load], start: int) -> None:
         """Drop the plan's entries before block `start` (the scheduler's device lookup or the
         prefill got past them), counting what became of device runs."""

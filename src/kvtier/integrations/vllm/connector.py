@@ -23,6 +23,7 @@ the background, so `request_finished` never delays vLLM's freeing.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.version import __version__ as vllm_version
 
 from kvtier.errors import KvtierError
@@ -47,6 +49,7 @@ from kvtier.integrations.vllm.series import Deltas, totals
 from kvtier.integrations.vllm.settings import describe, parse_settings
 from kvtier.integrations.vllm.stats import KvtierStats
 from kvtier.models.identity import model_identity
+from kvtier.vocab import DISK, HOST, REMOTE
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +64,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# kvtier's tiers in vLLM's words for where cached prompt tokens came from; Redis is shared
+# storage, neither a peer (p2p) nor this host's disk
+_HIT_SOURCES = {
+    HOST: CacheHitSource.HOST,
+    DISK: CacheHitSource.DISK,
+    REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
 
 
 def route_logs_to_vllm() -> None:
@@ -214,6 +225,20 @@ class KvtierConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        # vLLM's own prompt_tokens_cached_by_source then names kvtier's tiers
+        if not num_external_tokens:
+            return {}
+        split = self._scheduler.hit_sources(request, num_external_tokens)
+        if not split:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        named: Counter[CacheHitSource] = Counter()
+        for tier, tokens in split.items():
+            named[_HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)] += tokens
+        return dict(named)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -92,6 +92,7 @@ class EngineTiers:
         self._load_errors: set[int] = set()
         self._promised: dict[str, int] = {}  # request id -> tokens promised, until allocated
         self._replies: dict[str, tuple[int, int]] = {}  # answers for this step's reply
+        self._sources: dict[str, dict[str, int]] = {}  # their tokens per tier
         self.load_seconds = 0.0  # the steps' waits for loads (the forward runs after them)
 
     # ----- before the forward ------------------------------------------------------------
@@ -135,6 +136,8 @@ class EngineTiers:
             tokens = self.connector.num_loadable_tokens(view, lookup.num_computed_tokens)
             self._promised[view.request_id] = tokens
             self._replies[view.request_id] = (lookup.num_computed_tokens, tokens)
+            if tokens:
+                self._sources[view.request_id] = self.connector.loadable_sources(view)
 
     def _allocate(self, allocation: Allocation) -> None:
         view = self.views.get(allocation.request_id)
@@ -226,11 +229,12 @@ class EngineTiers:
         """What the scheduler side learns after this step."""
         with self.lock:
             answers, self._replies = self._replies, {}
+            sources, self._sources = self._sources, {}
             c = self.connector
             # a shared tier (Redis) may hold what another replica wrote: always worth asking
             shared = bool(c.store.shared_tiers)
             may_hit = c.chunks.any_stored() or shared
-            return WorkerReply(answers, may_hit)
+            return WorkerReply(answers, may_hit, sources)
 
     def take_tier_events(self) -> list[TierEvent]:
         """What the tiers gained and lost since the last call (empty with KV events off)."""

@@ -81,3 +81,5 @@ class WorkerReply:
 
     answers: dict[str, tuple[int, int]] = field(default_factory=dict)
     may_hit: bool = True
+    # request id -> the answer's tokens per tier they load from (vLLM's hit sources)
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)

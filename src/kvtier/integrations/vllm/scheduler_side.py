@@ -40,6 +40,7 @@ class _Tracked:
     chunks_saved: int = 0
     asked_at: int | None = None  # the vLLM hit of the lookup in flight
     answer: tuple[int, int] | None = None
+    sources: dict[str, int] | None = None  # the answer's tokens per tier
     admitted: bool = False
 
 
@@ -143,6 +144,15 @@ class SchedulerSide:
             Finish(request.request_id, computed, tracked.tokens_sent, tokens)
         )
 
+    def hit_sources(self, request: VllmRequest, num_external_tokens: int) -> dict[str, int]:
+        """The tiers the request's promised tokens load from (asked once, after its
+        allocation); empty when unknown or when they do not add up to what vLLM took."""
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or tracked.sources is None:
+            return {}
+        sources, tracked.sources = tracked.sources, None
+        return sources if sum(sources.values()) == num_external_tokens else {}
+
     def reset(self) -> None:
         """vLLM asked to reset the connector's cache: the worker drops every stored chunk
         before the next step's lookups; answers given before it may name chunks gone by then
@@ -155,3 +165,4 @@ class SchedulerSide:
             tracked = self._requests.get(request_id)
             if tracked is not None and tracked.asked_at == answer[0]:
                 tracked.answer = answer
+                tracked.sources = reply.sources.get(request_id)
