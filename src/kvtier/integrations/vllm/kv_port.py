@@ -57,10 +57,10 @@ class PagedKVPort:
     def read_blocks(
         self, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        index = self._index(block_ids)
         if out is not None and self.device.type == "cuda" and out.device != self.device:
             # gathered on the device, then one copy (not one per layer) to the host
             return out.copy_(self.read_blocks(block_ids))
+        index = self._index(block_ids)
         if out is None:
             out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
         for layer, (tensor, dim) in enumerate(zip(self.layers, self.block_dims, strict=True)):
