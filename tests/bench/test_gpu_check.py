@@ -65,3 +65,92 @@ def test_wheel_list_leaves_out_what_the_gpu_machine_brings(tmp_path: Path) -> No
     install = (tmp_path / "install.txt").read_text().split()
     assert "cryptography>=50" in install  # kvtier's own ranges, so an older one is replaced
     assert not [r for r in install if r.startswith(("torch", "transformers"))]
+
+
+def test_vllm_wheel_list_is_the_resolution_less_what_the_machine_has(tmp_path: Path) -> None:
+    def item(name: str, version: str) -> dict:
+        return {"metadata": {"name": name, "version": version}}
+
+    report = {
+        "install": [
+            item("vllm", "0.34.0"),
+            item("torch", "2.14.0"),  # the machine's is another version: carried
+            item("Jinja2", "3.1.6"),  # the machine has this one: left out
+            item("nvidia-nccl-cu13", "2.30.7"),
+        ]
+    }
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "freeze.txt").write_text("torch==2.11.0\njinja2==3.1.6\n# a comment\n")
+    done = run_benchmark(
+        "gpu_wheels.py", "--out", str(tmp_path), "--vllm-report", str(tmp_path / "report.json"),
+        "--machine-freeze", str(tmp_path / "freeze.txt"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pins = (tmp_path / "vllm" / "requirements.txt").read_text().split()
+    assert pins == ["nvidia-nccl-cu13==2.30.7", "torch==2.14.0", "vllm==0.34.0"]
+    (tmp_path / "report.json").write_text(json.dumps({"install": [item("torch", "2.14.0")]}))
+    done = run_benchmark(
+        "gpu_wheels.py", "--out", str(tmp_path), "--vllm-report", str(tmp_path / "report.json")
+    )
+    assert done.returncode == 2 and "resolves no vllm" in done.stderr
+
+
+def gpu_check_dry_run(wheelhouse: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "WHEELHOUSE": str(wheelhouse), "GPU_VENV": str(wheelhouse / "venv")}
+    return subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_check.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_gpu_check_dry_run_prints_every_step_and_runs_none(tmp_path: Path) -> None:
+    syntax = subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_check.sh")], capture_output=True)
+    assert syntax.returncode == 0, syntax.stderr
+    done = gpu_check_dry_run(tmp_path, "--dry-run")  # no wheelhouse, no Python 3.12 needed
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any("gpu_check.py --device cuda" in line for line in lines)
+    assert any(
+        "-m requires_cuda" in line and "test_vllm_kv_port_copies.py" in line for line in lines
+    )
+    assert any(line.startswith("skipped: no") and "gpu-wheels-vllm" in line for line in lines)
+    assert not (tmp_path / "venv").exists()
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "requirements.txt").write_text("vllm==0.34.0\n")
+    done = gpu_check_dry_run(tmp_path, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    commands = [line for line in done.stdout.splitlines() if line.startswith("+ ")]
+    bench = [c for c in commands if "vllm_connector.py" in c]
+    assert len(bench) == 1 and "vllm+offloading" in bench[0] and "--device cuda" in bench[0]
+    assert any("--contexts 8192" in c for c in commands if "gpu_check.py" in c)
+    for command in commands:  # every step under a timeout within the 470 s deadline
+        if "pip install" in command or "python benchmarks/" in command:
+            assert int(command.split()[2]) <= 470, command
+    assert not (tmp_path / "venv").exists()
+
+    assert gpu_check_dry_run(tmp_path, "--bogus").returncode == 2
+
+
+def test_vllm_benchmark_setups_and_their_connector_configs() -> None:
+    done = run_benchmark(
+        "vllm_connector.py", "--dry-run", "--device", "cuda", "--host-gib", "1",
+        "--setups", "vllm,vllm+kvtier,vllm+offloading",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    configs = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert json.loads(configs["vllm"])["kv_transfer_config"] is None
+    kvtier = json.loads(configs["vllm+kvtier"])["kv_transfer_config"]
+    assert kvtier["kv_connector"] == "KvtierConnector"
+    assert kvtier["kv_connector_extra_config"]["tiers"]["host_bytes"] == 1 << 30
+    offloading = json.loads(configs["vllm+offloading"])["kv_transfer_config"]
+    assert offloading["kv_connector"] == "OffloadingConnector"
+    assert offloading["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": 1 << 30,
+        "block_size": 256,
+    }
+    refused = run_benchmark("vllm_connector.py", "--dry-run", "--setups", "vllm+offloading")
+    assert refused.returncode == 2 and "needs --device cuda" in refused.stderr

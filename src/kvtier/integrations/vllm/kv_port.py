@@ -7,9 +7,19 @@ K/V axis). The port finds that axis from the number of blocks, and moves whole b
 code sees the same kind of payload as with kvtier's own pool. Only the block ids vLLM gave
 are read or written.
 
-On CUDA the gather runs on the device and the payload comes back through one copy; the
-connector calls both on a side stream ordered by events (`kvtier.engine.device_copy`), so
-the copies to and from pinned host memory do not hold up vLLM's compute stream.
+On CUDA (the KV tensors' device decides; the CPU path has no pinning and no streams):
+- the connector calls both directions through `kvtier.engine.device_copy.CudaCopy`, on its
+  side stream ordered by events: a load's scatter runs there and vLLM's compute stream waits
+  on its event before the forward; a save's gather runs there after an event of the compute
+  stream, and only the mover's worker waits for the bytes, before a tier reads them;
+- block ids go to the device from pinned memory without blocking (`device_index`): a
+  pageable copy would synchronise the host with the stream on every call;
+- a gather into host memory (`out` on the CPU; `CudaCopy` never asks for one) runs on the
+  device and comes back in one copy, not one per layer, done when the call returns (the
+  port's contract); a scatter from host bytes goes through pinned memory (`pinned`), so its
+  copy to the device is asynchronous.
+Pinned buffers come from torch's caching host allocator, which hands a freed one out again
+only once the copies recorded on it have completed: reused, and never overwritten early.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvtier.engine.device_copy import device_index, pinned
 from kvtier.errors import KvtierError
 
 
@@ -46,7 +57,10 @@ class PagedKVPort:
     def read_blocks(
         self, block_ids: Sequence[int], out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if out is not None and self.device.type == "cuda" and out.device != self.device:
+            # gathered on the device, then one copy (not one per layer) to the host
+            return out.copy_(self.read_blocks(block_ids))
+        index = self._index(block_ids)
         if out is None:
             out = torch.empty((len(index), *self.block_shape), dtype=self.dtype, device=self.device)
         for layer, (tensor, dim) in enumerate(zip(self.layers, self.block_dims, strict=True)):
@@ -59,7 +73,9 @@ class PagedKVPort:
                 f"blocks of shape {tuple(blocks.shape[1:])} {blocks.dtype} do not fit this "
                 f"KV cache ({tuple(self.block_shape)} {self.dtype})"
             )
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        index = self._index(block_ids)
+        if self.device.type == "cuda":
+            blocks = pinned(blocks)  # asynchronous only from pinned memory
         blocks = blocks.to(self.device, non_blocking=True)
         for layer, (tensor, dim) in enumerate(zip(self.layers, self.block_dims, strict=True)):
             tensor.index_copy_(dim, index, blocks[:, layer].movedim(0, dim))
@@ -67,6 +83,11 @@ class PagedKVPort:
     def block_view(self, block_ids: Sequence[int]) -> None:
         """None: a block spans one tensor per layer here, never one slab (`write_blocks`)."""
         return None
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return device_index(block_ids, self.device)
+        return torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
 
 
 def _block_dim(name: str, tensor: torch.Tensor, num_blocks: int) -> int:
