@@ -128,22 +128,25 @@ def plan_prefix_restore(chunks: Sequence[ChunkView], model: CostModel) -> Restor
     loads = [i for i in positions if i < best_cut and costs.chunks[i].tier != DEVICE]
     recompute = [i for i in positions if i >= best_cut and costs.chunks[i].tier != DEVICE]
     kind: PlanKind = "recompute" if not loads else "load" if not recompute else "prefix"
-    index = [chunk.index for chunk in costs.chunks]
-    return RestorePlan(
-        kind=kind,
-        split=best_cut,
-        recompute=tuple(index[i] for i in recompute),
-        loads=tuple(index[i] for i in loads),
-        compute_s=sum(costs.compute[i] for i in recompute),
-        load_s=sum(costs.load[i] for i in loads),
-        seconds=best_seconds,
-    )
+    return _result(costs, kind, best_cut, recompute, loads, best_seconds)
 
 
 def _plan(costs: _Costs, split: int) -> RestorePlan:
     recompute, loads, seconds = _schedule(costs, split)
     n = len(costs.chunks)
     kind: PlanKind = "load" if split == 0 else "recompute" if split == n else "bidirectional"
+    return _result(costs, kind, split, recompute, loads, seconds)
+
+
+def _result(
+    costs: _Costs,
+    kind: PlanKind,
+    split: int,
+    recompute: list[int],
+    loads: list[int],
+    seconds: float,
+) -> RestorePlan:
+    """The plan of these positions, named by the chunks' own indices."""
     index = [chunk.index for chunk in costs.chunks]
     return RestorePlan(
         kind=kind,
