@@ -173,30 +173,28 @@ def test_scheduler_side_asks_the_worker_then_answers_vllm_from_its_reply():
     assert lookup.readmitted
 
 
-def test_scheduler_side_names_the_tiers_the_promised_tokens_come_from_once():
+def allocated_with_sources(split: dict[str, int]) -> tuple[SchedulerSide, FakeVllmRequest]:
+    """A request the worker promised 64 tokens from the tiers in `split`, and vLLM took them."""
     side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
     request = FakeVllmRequest("r1", list(range(100, 200)))
     side.on_new_request(request)
     side.matched_tokens(request, 0)
     side.step({}, lambda rid: [])
-    split = {"host": 32, "disk": 32}
     side.on_reply(WorkerReply({"r1": (0, 64)}, may_hit=True, sources={"r1": split}))
     assert side.matched_tokens(request, 0) == 64
     side.allocated(request, list(range(7)), 64)
+    return side, request
+
+
+def test_scheduler_side_names_the_tiers_the_promised_tokens_come_from_once():
+    side, request = allocated_with_sources({"host": 32, "disk": 32})
     assert side.hit_sources(request, 32) == {}  # vLLM took other than promised: unknown
     side.on_reply(WorkerReply({}, may_hit=True))
     assert side.hit_sources(request, 64) == {}  # asked once per answer
 
 
 def test_scheduler_side_hit_sources_add_up_to_what_vllm_took():
-    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
-    request = FakeVllmRequest("r1", list(range(100, 200)))
-    side.on_new_request(request)
-    side.matched_tokens(request, 0)
-    side.step({}, lambda rid: [])
-    side.on_reply(WorkerReply({"r1": (0, 64)}, may_hit=True, sources={"r1": {"host": 64}}))
-    side.matched_tokens(request, 0)
-    side.allocated(request, list(range(7)), 64)
+    side, request = allocated_with_sources({"host": 64})
     assert side.hit_sources(request, 64) == {"host": 64}
 
 

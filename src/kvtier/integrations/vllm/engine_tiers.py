@@ -198,8 +198,7 @@ class EngineTiers:
         keys = view.keys_of_full_blocks(self.block_size)[: save.end_chunk * k]
         ids = save.block_ids[: len(keys)]
         if self.events is not None:  # before the write: its placement is announced
-            bs, k = self.block_size, self.connector.blocks_per_chunk
-            describe_saved(self.events, view.request, save, keys, k, bs)  # type: ignore[arg-type]
+            describe_saved(self.events, view.request, save, keys, k, self.block_size)  # type: ignore[arg-type]
         with self.block_view.bind(keys, ids):
             # the gather is the copy; the tier write runs on the mover's worker
             self.connector.spiller.write_through_chunks(

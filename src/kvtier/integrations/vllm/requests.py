@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from kvtier.engine.hashing import extend_block_keys, namespace_bytes
 from kvtier.errors import KvtierError
-from kvtier.load_limit import NO_LOAD_LIMIT, LoadLimit
+from kvtier.load_limit import NO_LOAD_LIMIT, LoadLimit, parse_load_limit
 from kvtier.policy.config import parse_session_hints
 from kvtier.session_hints import NO_HINTS, SessionHints
 
@@ -143,34 +143,13 @@ def session_hints(request: VllmRequest) -> SessionHints:
 
 def load_limit(request: VllmRequest, tier_names: Sequence[str]) -> LoadLimit:
     """What the request allows a restore to load, with the semantics of vLLM's offloading
-    connector: `kv_load_tiers` names tiers (unknown names are ignored with a warning, and a
-    list of only unknown names allows every tier; `[]` allows none), `max_load_tokens` is a
-    non-negative int. A malformed value is ignored with a warning."""
-    params = request.kv_transfer_params or {}
-    tiers: frozenset[str] | None = None
-    given = params.get("kv_load_tiers")
-    if given is not None:
-        names = given if isinstance(given, list) else [given]
-        known = [n for n in names if isinstance(n, str) and n in tier_names]
-        if len(known) < len(names):
-            _warn(request, "kv_load_tiers", given, f"tiers here: {', '.join(tier_names)}")
-        if known or not names:
-            tiers = frozenset(known)
-    cap = params.get("max_load_tokens")
-    if cap is not None and (type(cap) is not int or cap < 0):
-        _warn(request, "max_load_tokens", cap, "a non-negative integer is needed")
-        cap = None
-    return LoadLimit(tiers, cap)
-
-
-def _warn(request: VllmRequest, key: str, value: Any, why: str) -> None:
-    log.warning(
-        "kvtier: request %s: kv_transfer_params.%s=%r: %s; ignored",
-        request.request_id,
-        key,
-        value,
-        why,
-    )
+    connector (`parse_load_limit`): what is wrong is ignored with a warning each."""
+    limit, problems = parse_load_limit(request.kv_transfer_params or {}, tier_names)
+    for key, why in problems:
+        log.warning(
+            "kvtier: request %s: kv_transfer_params.%s: %s; ignored", request.request_id, key, why
+        )
+    return limit
 
 
 def _text(params: dict[str, Any], key: str, request_id: str) -> str | None:
