@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=4096)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--policy", default="retain")
+    parser.add_argument("--policy", default="offload")
     parser.add_argument("--repeats", type=int, default=3, help="no-restore runs (median)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--host-gib", type=float, default=2.0, help="host tier / CPU offload")

@@ -174,7 +174,7 @@ def run_setup(setup: str, args: argparse.Namespace, model: Path, trace: Path) ->
                 "kv_connector": "KvtierConnector",
                 "kv_connector_module_path": "kvtier.integrations.vllm",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"tiers": tiers, "policy": {"name": "retain"}},
+                "kv_connector_extra_config": {"tiers": tiers, "policy": {"name": "offload"}},
             }
             extra_env["PYTHONPATH"] = str(REPO / "src")
         elif setup == "vllm+lmcache":

@@ -1,6 +1,6 @@
 """The vLLM connector's parts that need no vLLM: its settings, the block port over paged
 per-layer KV tensors, sessions reconstructed from prefix chains, and the scheduler side's
-messages to the worker."""
+messages to the worker, and the worker's view of vLLM's block pool."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvtier.errors import KvtierError
+from kvtier.integrations.vllm.block_view import VllmBlockView
 from kvtier.integrations.vllm.kv_port import PagedKVPort
-from kvtier.integrations.vllm.messages import WorkerReply
+from kvtier.integrations.vllm.messages import DeviceState, WorkerReply
 from kvtier.integrations.vllm.requests import RequestView, SessionChains, identity, load_limit
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.settings import parse_settings
@@ -224,3 +225,36 @@ def test_scheduler_side_saves_each_chunk_once_in_the_step_that_fills_it():
     side.finished(request)
     (finish,) = side.step({}, lambda rid: blocks).finishes
     assert (finish.request_id, finish.num_computed_tokens) == ("r1", 80)
+
+
+def test_scheduler_side_reports_the_requests_vllm_has_not_admitted():
+    side = SchedulerSide(block_size=BLOCK, chunk_tokens=2 * BLOCK)
+    first, second = (
+        FakeVllmRequest(f"r{i}", list(range(100, 100 + n))) for i, n in ((1, 40), (2, 70))
+    )
+    for request in (first, second):
+        side.on_new_request(request)
+    assert side.waiting_tokens() == (40, 70)  # head first
+    side.allocated(first, [1, 2, 3], 0)
+    assert side.waiting_tokens() == (70,)
+    side.finished(first, [1, 2])
+    (finish,) = side.step({}, lambda rid: []).finishes
+    assert finish.cached_block_ids == [1, 2]
+
+
+def test_block_view_shows_vllms_idle_cached_blocks_to_the_policy_only():
+    view = VllmBlockView(num_blocks=10)
+    keys = [b"k0", b"k1", b"k2"]
+    view.idle(keys, [4, 5])  # a finished request's two cached blocks; the third was partial
+    view.update(DeviceState(waiting_tokens=(64,), free_blocks=6))
+    assert [view.resident(k) for k in keys] == [4, 5, None]
+    assert view.lookup(b"k0") is None  # loads are planned from vLLM's own hits
+    with view.acting():
+        assert view.lookup(b"k0") == 4
+    assert (view.ref_counts[4], view.ref_counts[7]) == (0, 1)
+    assert view.num_free == 4  # vLLM's 6 free blocks, less the 2 holding a paused session
+    assert view.drop_cached([4, 7]) == 1  # 7 is no idle block: vLLM's, left alone
+    assert view.resident(b"k0") is None and view.num_free == 5
+    view.update(DeviceState(free_blocks=6, gone=(5,)))  # vLLM handed block 5 to a request
+    assert view.resident(b"k1") is None and view.num_free == 6
+    assert view.take_orders() == ([4], []) and view.take_orders() == ([], [])

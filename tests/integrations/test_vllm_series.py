@@ -14,7 +14,12 @@ def report(host_tokens: int = 256, recomputed: int = 30, used: int = 100) -> dic
     return {
         "policy": "cost",
         "tokens": {"device": 0, "host": host_tokens, "recomputed": recomputed},
-        "counters": {"restored_chunks": 2, "written_through_bytes": 4096, "other": 7},
+        "counters": {
+            "restored_chunks": 2,
+            "written_through_bytes": 4096,
+            "policy_released_vllm_blocks": 5,
+            "other": 7,
+        },
         "tiers": {
             "host": {
                 "used_bytes": used,
@@ -28,6 +33,7 @@ def report(host_tokens: int = 256, recomputed: int = 30, used: int = 100) -> dic
             }
         },
         "decisions": {"offload": 3},
+        "policy_runs": {"timer": 1, "pressure": 2},
         "load_seconds": 0.125,
     }
 
@@ -54,6 +60,9 @@ def test_totals_name_what_kvtier_measured_as_serve_does():
     assert now["tier_write_seconds{tier=host}"] == 0.5
     assert now["tier_errors{tier=host,reason=io}"] == 1
     assert now["policy_decisions{policy=cost,decision=offload}"] == 3
+    # the connector's own: the policy's runs by trigger, the vLLM blocks it released
+    assert now["policy_runs{policy=cost,trigger=pressure}"] == 2
+    assert now["policy_released_vllm_blocks"] == 5
     assert not any(key.startswith("other") for key in now)  # only the catalogue's series
     # a tier's reads and writes carry serve's series names
     for field, name, _ in TIER_TRAFFIC:

@@ -23,7 +23,11 @@ cache emptied before each resumed turn; then turn 3 again after
 ZMQ to a SUB socket this process binds on a free loopback port (vLLM's publisher connects);
 a host tier of 3 chunks over a disk tier of 4: turns 1-3, the flood and turn 4 make the
 host demote and the disk drop; then the events received, what each tier holds (as token
-ids) and the store's moves.
+ids) and the store's moves. `pressure`: vLLM runs one request at a time (`max_num_seqs=1`) and
+the policy (`offload`) has a timer of an hour: session A's turn (pinned by its hint), then
+session B's, then three other prompts at once, two of which wait while vLLM's free blocks
+not holding a paused session's KV are fewer than the head needs; then A's and B's second
+turns.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
     if mode == "baseline":
         return None
     tiers: dict = {"chunk_tokens": 128}
-    policy: dict = {"name": "retain"}
+    # the LRU cascade: under vLLM's pressure a paused session's chunks move down to a tier
+    # that holds them (`retain` would drop them there, as it does in kvtier's own engine)
+    policy: dict = {"name": "offload"}
     if mode in ("host", "hints"):
         tiers["host_bytes"] = "256MiB"
     elif mode == "load-control":
@@ -73,6 +79,9 @@ def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dic
             "prefill_pair_s": 2e-7,
             "links": {"host": {"bandwidth": 5e8}},
         }
+    elif mode == "pressure":
+        tiers["host_bytes"] = "256MiB"
+        policy["interval_s"] = 3600
     elif mode == "events":
         tiers.update(host_bytes=3 * CHUNK_BYTES + 4096, disk_dir=disk_dir)
         tiers["disk_bytes"] = 4 * CHUNK_BYTES + (256 << 10)  # records carry a small header
@@ -286,6 +295,43 @@ def hinted_sessions(llm) -> dict:
     return {"sessions": seen, "warnings": warnings.messages}
 
 
+PRESSURE_OTHER_TOKENS = 900  # 8 blocks each: the head's need passes the blocks left free
+
+
+def under_pressure(llm, turn) -> dict:
+    """Paused sessions A (pinned) and B on vLLM's device, a queue that needs their blocks, then
+    their second turns; the policy's runs and what its view showed of the device before."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.integrations.vllm import REGISTRY
+
+    prompts = {"A": user_tokens(0), "B": user_tokens(0)[::-1]}
+    hints = {"A": {"pin": True}, "B": {}}
+    for session, prompt in prompts.items():
+        transfer = {"session_id": session, "kvtier_session": hints[session]}
+        output = turn(prompt, f"{session}: turn 1", transfer)
+        prompts[session] = prompt + output + user_tokens(1)[:100]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # B's finish reaches the worker with the next step: a 3-token request drives one
+    llm.generate([TokensPrompt(prompt_token_ids=[7, 8, 9])], greedy, use_tqdm=False)
+    engine = REGISTRY.all()[0]
+    with engine.lock:
+        view = engine.connector.runner.view()
+    on_device = {
+        s.session_id: sum(1 for c in s.chunks if c.tier == "device") for s in view.sessions
+    }
+    rng = random.Random("kvtier-vllm-pressure")
+    others = [[rng.randrange(100, 49152) for _ in range(PRESSURE_OTHER_TOKENS)] for _ in range(3)]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in others], greedy, use_tqdm=False)
+    queued = report()
+    for session in ("A", "B"):
+        turn(prompts[session], f"{session}: turn 2", {"session_id": session})
+    llm.reset_prefix_cache()
+    turn(prompts["B"], "B: turn 2 recomputed", {"session_id": "B", "kv_load_tiers": []})
+    return {"device_chunks_before": on_device, "after_queue": queued}
+
+
 def corrupt(folder: Path) -> int:
     """Flip a byte every 256 KiB of every file: each record's body (MBs) is hit."""
     flipped = 0
@@ -331,6 +377,7 @@ def main() -> None:
             "hints",
             "load-control",
             "events",
+            "pressure",
         ),
     )
     parser.add_argument("--out", type=Path, required=True)
@@ -370,6 +417,8 @@ def main() -> None:
         disable_hybrid_kv_cache_manager=True,
         kv_transfer_config=tiers_config(args.mode, args.disk_dir, remote_url),
         kv_events_config=events_config,
+        # one request at a time: the others wait in vLLM's queue (the pressure scenario)
+        **({"max_num_seqs": 1} if args.mode == "pressure" else {}),
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict = {"mode": args.mode, "load_s": time.perf_counter() - started, "turns": []}
@@ -400,6 +449,8 @@ def main() -> None:
 
     if args.mode == "hints":
         result.update(hinted_sessions(llm))
+    elif args.mode == "pressure":
+        result.update(under_pressure(llm, turn))
     elif subscriber is not None:
         result.update(events_run(llm, subscriber))
     elif args.mode == "disk-resume":

@@ -40,9 +40,10 @@ from vllm.version import __version__ as vllm_version
 from kvtier.errors import KvtierError
 from kvtier.integrations.vllm.compat import refuse_sleep_mode, unchecked_release_note
 from kvtier.integrations.vllm.engine_tiers import REGISTRY, EngineTiers
+from kvtier.integrations.vllm.idle_blocks import IdleBlocks
 from kvtier.integrations.vllm.kv_events import KvtierKVEvents, SchedulerEvents, worker_events
 from kvtier.integrations.vllm.kv_port import PagedKVPort
-from kvtier.integrations.vllm.messages import StepMessages, WorkerReply
+from kvtier.integrations.vllm.messages import DeviceState, StepMessages, WorkerReply
 from kvtier.integrations.vllm.prom_metrics import KvtierPromMetrics
 from kvtier.integrations.vllm.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm.series import Deltas, totals
@@ -138,6 +139,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._kv_events = bool(events is not None and events.enable_kv_cache_events)
         self._pending_events = SchedulerEvents() if self._kv_events else None
         self._scheduler = SchedulerSide(block_size, chunk_tokens, self._kv_events)
+        self._idle = IdleBlocks()  # finished requests' blocks vLLM keeps cached
         self._tiers: EngineTiers | None = None
         self._deltas = Deltas()  # what was reported to vLLM so far
 
@@ -253,12 +255,22 @@ class KvtierConnector(KVConnectorBase_V1):
             scheduler_output.num_scheduled_tokens,
             lambda request_id: manager.get_block_ids(request_id)[0],
         )
+        # vLLM's queue and pool for the policy's view and pressure trigger, as of this schedule
+        self._idle.handed_out(_new_block_ids(scheduler_output))
+        messages.device = DeviceState(
+            self._scheduler.waiting_tokens(),
+            manager.block_pool.get_num_free_blocks(),
+            self._idle.take_gone(),
+        )
         return KvtierMetadata(messages)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMetadata):
             self._scheduler.on_reply(meta.reply)
+            reply = meta.reply
+            if (reply.evict or reply.keep) and self._kv_cache_manager is not None:
+                self._idle.apply(self._kv_cache_manager.block_pool, reply.evict, reply.keep)
         events = connector_output.kv_cache_events
         if self._pending_events is not None and isinstance(events, KvtierKVEvents):
             self._pending_events.add(events.get_all_events())
@@ -270,12 +282,15 @@ class KvtierConnector(KVConnectorBase_V1):
         # vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: the
         # worker drops every stored chunk before the next step's lookups
         self._scheduler.reset()
+        self._idle.clear()  # vLLM empties its prefix cache too
         return True
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request)
+        manager = self._kv_cache_manager
+        cached = self._idle.remember(manager.block_pool, block_ids) if manager else []
+        self._scheduler.finished(request, cached)
         return False, None  # its full chunks were copied out as they filled
 
     @classmethod
@@ -291,3 +306,15 @@ class KvtierConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvtierPromMetrics:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _new_block_ids(output: SchedulerOutput) -> list[int]:
+    """The blocks vLLM handed to requests in this schedule (a new request's include its prefix
+    hits; a resumed one's all of its blocks)."""
+    ids: list[int] = []
+    for new in output.scheduled_new_reqs:
+        ids += new.block_ids[0]
+    for groups in output.scheduled_cached_reqs.new_block_ids:
+        if groups:
+            ids += groups[0]
+    return ids

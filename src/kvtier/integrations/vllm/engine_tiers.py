@@ -17,8 +17,11 @@ through each step's messages (`messages.py`):
                 names its blocks for vLLM's load-error path (they are recomputed)
     Save        after the forward: full chunks copied out of vLLM's blocks and written to
                 the top tier on the mover's worker (write-through as chunks fill up)
-    Finish      the session remembered for the policy and for prefix chains
-    after_step  finished writes accounted, the policy's timer
+    Finish      the session remembered for the policy and for prefix chains; the blocks
+                vLLM keeps cached after it are the session's KV on the device
+    DeviceState vLLM's waiting queue and free blocks, and which cached blocks it reused
+    after_step  finished writes accounted, the policy on its timer or under vLLM's pressure;
+                its orders on vLLM's idle blocks go back with the step's reply
 
 The worker is the only caller; the lock guards the report read by other threads (tests,
 stats).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cache.connector import TieredConnector
@@ -36,6 +40,7 @@ from kvtier.engine.sessions import SessionTracker
 from kvtier.integrations.vllm.block_view import VllmBlockView
 from kvtier.integrations.vllm.messages import (
     Allocation,
+    DeviceState,
     Finish,
     Lookup,
     Save,
@@ -52,7 +57,12 @@ from kvtier.integrations.vllm.requests import (
 from kvtier.integrations.vllm.settings import ConnectorSettings
 from kvtier.integrations.vllm.tier_events import TierEvent, TierEventLog, describe_saved
 
-_NO_QUEUE = QueueDemand()  # vLLM does not show a connector its waiting queue
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A request in vLLM's waiting queue, as the policy's queue view reads one."""
+
+    num_tokens: int
 
 
 class EngineTiers:
@@ -68,6 +78,7 @@ class EngineTiers:
         self.block_size = block_size
         self.model = settings.namespace or model
         self.block_view = VllmBlockView(num_blocks)
+        self.queue = QueueDemand()  # vLLM's waiting queue as of the last step's schedule
         self.sessions = SessionTracker()
         self.chains = SessionChains()
         self.connector = TieredConnector(settings.tiers, settings.policy.name, settings.policy)
@@ -78,7 +89,7 @@ class EngineTiers:
                 block_size=block_size,
                 kv_quant=None,
                 sessions=self.sessions,
-                queue=lambda: _NO_QUEUE,
+                queue=lambda: self.queue,
                 loads_after_recompute=False,  # vLLM takes loads only after its own hits
             )
         )
@@ -105,12 +116,19 @@ class EngineTiers:
                 self.connector.clear()
             for finish in messages.finishes:
                 self._finish(finish)
+            if messages.device is not None:  # after the finishes: it names their blocks
+                self._device(messages.device)
             for lookup in messages.lookups:
                 self._lookup(lookup)
             for allocation in messages.allocations:
                 self._allocate(allocation)
             if messages.allocations:
                 self._run_loads()
+
+    def _device(self, state: DeviceState) -> None:
+        self.block_view.update(state)
+        waiting = tuple(_Waiting(tokens) for tokens in state.waiting_tokens)
+        self.queue = QueueDemand(waiting)  # type: ignore[arg-type]  # reads num_tokens only
 
     def _lookup(self, lookup: Lookup) -> None:
         record = lookup.record
@@ -187,7 +205,8 @@ class EngineTiers:
         with self.lock:
             for save in messages.saves:
                 self._save(save)
-            self.connector.after_step()
+            with self.block_view.acting():
+                self.connector.after_step()
 
     def _save(self, save: Save) -> None:
         view = self.views.get(save.request_id)
@@ -218,6 +237,7 @@ class EngineTiers:
         # no device block is reachable now: this only remembers the session for the policy
         self.connector.on_request_finished(view)
         self.connector.spiller.forget(keys)  # vLLM reports no evictions
+        self.block_view.idle(keys, finish.cached_block_ids)
         self.sessions.end_turn(finish.request_id)
         prompt_blocks = min(view.num_prompt_tokens // bs, len(keys))
         ends = [keys[i - 1] for i in {prompt_blocks, len(keys)} if i]
@@ -233,7 +253,10 @@ class EngineTiers:
             # a shared tier (Redis) may hold what another replica wrote: always worth asking
             shared = bool(c.store.shared_tiers)
             may_hit = c.chunks.any_stored() or shared
-            return WorkerReply(answers, may_hit, sources)
+            evict, keep = self.block_view.take_orders()
+            c.counters["policy_released_vllm_blocks"] += len(evict)
+            c.counters["policy_kept_vllm_blocks"] += len(keep)
+            return WorkerReply(answers, may_hit, sources, evict, keep)
 
     def take_tier_events(self) -> list[TierEvent]:
         """What the tiers gained and lost since the last call (empty with KV events off)."""

@@ -55,12 +55,28 @@ class Save:
 
 @dataclass(frozen=True)
 class Finish:
-    """The request finished (or was aborted): session bookkeeping, no block access."""
+    """The request finished (or was aborted): session bookkeeping. `cached_block_ids` are its
+    blocks from its first that vLLM keeps in its prefix cache, idle, until it reuses them: the
+    retention policy sees them as the session's KV on the device (`idle_blocks.py`)."""
 
     request_id: str
     num_computed_tokens: int
     tokens_from: int
     tokens: list[int]
+    cached_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """vLLM's device as of this step's schedule, for the retention policy's view and its
+    pressure trigger: each waiting request's tokens (head first), vLLM's free blocks (its idle
+    cached blocks among them: vLLM evicts those on demand, LRU first), and the finished
+    requests' cached blocks vLLM has handed to a request since the last step (`gone`: no longer
+    the finished request's KV, or in use)."""
+
+    waiting_tokens: tuple[int, ...] = ()
+    free_blocks: int = 0
+    gone: tuple[int, ...] = ()
 
 
 @dataclass
@@ -72,6 +88,7 @@ class StepMessages:
     allocations: list[Allocation] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
     finishes: list[Finish] = field(default_factory=list)
+    device: DeviceState | None = None  # None: vLLM bound no block pool to the connector
 
 
 @dataclass
@@ -83,3 +100,8 @@ class WorkerReply:
     may_hit: bool = True
     # request id -> the answer's tokens per tier they load from (vLLM's hit sources)
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the retention policy's orders on finished requests' idle blocks in vLLM's pool: `evict`
+    # (no longer hittable, reused first: a tier holds the chunk, or the policy dropped it) and
+    # `keep` (hittable until reused, reused first)
+    evict: list[int] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)

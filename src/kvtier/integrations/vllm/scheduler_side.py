@@ -13,7 +13,9 @@ worker's replies:
   Saving while the request runs means `request_finished` never delays vLLM's freeing.
   With vLLM's KV events on (`send_block_hashes`), a save carries vLLM's hashes of those
   chunks' blocks: the worker announces what its tiers hold by them (`tier_events.py`).
-- `finished`: a `Finish` (sessions, prefix chains, the policy's view).
+- `finished`: a `Finish` (sessions, prefix chains, the policy's view), with the blocks vLLM
+  keeps cached after it (`idle_blocks.py`).
+- `waiting_tokens`: the requests vLLM has not admitted yet, for the policy's pressure trigger.
 """
 
 from __future__ import annotations
@@ -134,14 +136,22 @@ class SchedulerSide:
         messages, self._messages = self._messages, StepMessages()
         return messages
 
-    def finished(self, request: VllmRequest) -> None:
+    def finished(self, request: VllmRequest, cached_block_ids: list[int] | None = None) -> None:
         tracked = self._requests.pop(request.request_id, None)
         if tracked is None:
             return
         computed = request.num_computed_tokens
         tokens = list(request.all_token_ids[tracked.tokens_sent : computed])
+        cached = cached_block_ids or []
         self._messages.finishes.append(
-            Finish(request.request_id, computed, tracked.tokens_sent, tokens)
+            Finish(request.request_id, computed, tracked.tokens_sent, tokens, cached)
+        )
+
+    def waiting_tokens(self) -> tuple[int, ...]:
+        """The tokens of each request vLLM has not admitted yet, in arrival order (vLLM's
+        first-come-first-served queue)."""
+        return tuple(
+            len(t.request.all_token_ids) for t in self._requests.values() if not t.admitted
         )
 
     def hit_sources(self, request: VllmRequest, num_external_tokens: int) -> dict[str, int]:

@@ -101,6 +101,20 @@ CATALOGUE: dict[str, Series] = {
             ("policy", "decision"),
             "Retention policy decisions about paused sessions' KV, by kind.",
         ),
+        # the connector's own: kvtier serve's engine holds its device blocks itself
+        Series(
+            "policy_runs",
+            "counter",
+            ("policy", "trigger"),
+            "Retention policy runs, by trigger: timer, or pressure (vLLM's queue needs the "
+            "blocks paused sessions hold).",
+        ),
+        Series(
+            "policy_released_vllm_blocks",
+            "counter",
+            (),
+            "vLLM blocks of paused sessions the policy ordered out of vLLM's prefix cache.",
+        ),
     )
 }
 
@@ -111,6 +125,7 @@ _CONNECTOR_COUNTERS = (
     "written_through_chunks",
     "written_through_bytes",
     "write_through_failures",
+    "policy_released_vllm_blocks",
 )
 # a tier's figures in kvtier's report -> its series
 _TIER_FIGURES = {
@@ -164,6 +179,8 @@ def totals(report: Mapping[str, Any]) -> dict[str, float]:
     policy = str(report.get("policy", ""))
     for decision, count in report.get("decisions", {}).items():
         out[series_key("policy_decisions", policy=policy, decision=decision)] = count
+    for trigger, count in report.get("policy_runs", {}).items():
+        out[series_key("policy_runs", policy=policy, trigger=trigger)] = count
     return out
 
 
