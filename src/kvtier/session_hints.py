@@ -5,12 +5,12 @@ traces carry them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 # How a turn's reply ended, as the server saw it: a tool call (the agent comes back when the
 # tool returns), an answer (a person reads it, and may never come back), or the length limit.
 EndKind = Literal["tool_call", "answer", "length"]
-END_KINDS: tuple[str, ...] = ("tool_call", "answer", "length")
+END_KINDS: tuple[str, ...] = get_args(EndKind)
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,13 @@ def test_a_turn_records_how_it_ended_and_its_hints():
     tracker.mark_end("s", "r3", "tool_call", "edit")
     tracker.end_turn("r3", "answer")
     assert tracker.turns("s")[-1].end == "tool_call"
+
+
+def test_a_pin_not_in_force_is_withdrawn_from_the_latest_turn():
+    tracker = SessionTracker(VirtualClock(0.0))
+    tracker.start_turn("s", "r1", 10, SessionHints(pin=True, priority=2))
+    tracker.end_turn("r1", "answer")
+    assert tracker.turns("s")[-1].hints.pins
+    assert tracker.withdraw_pin("s")  # refused over a quota, or unpinned by an admin
+    assert tracker.turns("s")[-1].hints == SessionHints(priority=2)  # the other hints stay
+    assert not tracker.withdraw_pin("s") and not tracker.withdraw_pin("gone")

@@ -11,7 +11,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.session_hints import SessionHints
-from tests.server.conftest import ALICE_KEY, BOB_KEY, BOB_QUOTA_BLOCKS, MODEL, wait_idle
+from tests.server.conftest import (
+    ADMIN_KEY,
+    ALICE_KEY,
+    BOB_KEY,
+    BOB_QUOTA_BLOCKS,
+    MODEL,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -191,6 +198,15 @@ def test_pin_holds_the_sessions_blocks_until_a_close_drops_them(server, engine):
     assert owned_blocks(server, "alice", "agent-7") == filled
     again = complete(server, ALICE_KEY, "Which truck leaves first?", "agent-8")
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # from the pinned blocks
+    # an admin unpin withdraws the pin from the session's record, which the retention
+    # policy's view reads
+    assert last_hints(server, "alice/agent-7").pin
+    unpin = httpx.post(
+        server.base_url + "/admin/tenants/alice/sessions/agent-7/unpin",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert unpin.json()["unpinned_blocks"] == len(filled)
+    assert not last_hints(server, "alice/agent-7").pin
 
     complete(server, ALICE_KEY, "Which truck leaves first? Now.", "agent-7",
              extra_body={"kvtier_session": {"close": True}})  # fmt: skip

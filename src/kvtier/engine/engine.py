@@ -788,6 +788,12 @@ class Engine:
         with self._lock:
             return self.sessions.mark_end(session_id, request_id, end, tool)
 
+    def withdraw_pin(self, session_id: str) -> bool:
+        """The session's `pin` hint is not in force (refused over a quota, or unpinned by an
+        admin): the retention policy no longer sees it pinned."""
+        with self._lock:
+            return self.sessions.withdraw_pin(session_id)
+
     def pin_blocks(self, block_ids: Iterable[int]) -> list[int]:
         """Hold a reference on cached blocks so the LRU never evicts them (a pinned session).
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.clock import Clock, RealClock
 from kvtier.session_hints import NO_HINTS, EndKind, SessionHints
@@ -150,6 +150,16 @@ class SessionTracker:
                 record.end, record.tool = end, tool
                 return True
         return False
+
+    def withdraw_pin(self, session_id: str) -> bool:
+        """The `pin` of the session's latest turn is not in force (the server refused it over
+        the tenant's quota, or an admin unpinned the session): the policy's view stops
+        showing it pinned. False when there was no pin to withdraw."""
+        turns = self.sessions.get(session_id)
+        if not turns or not turns[-1].hints.pin:
+            return False
+        turns[-1].hints = replace(turns[-1].hints, pin=False)
+        return True
 
     def turns(self, session_id: str) -> list[TurnRecord]:
         return list(self.sessions.get(session_id, []))

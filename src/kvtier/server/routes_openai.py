@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from kvtier.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.server.responses import complete, sse
 from kvtier.server.session_hint_effects import SessionHintEffects
 from kvtier.server.session_hints_request import read_session_hints
+from kvtier.server.tenants import scoped_session
 from kvtier.server.tools import ToolTurn, template_messages, tool_turn
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def _session_id(request: Request, body: Any, who: Caller) -> str | None:
             param=param,
             code="invalid_value",
         )
-    return sys.intern(f"{who.tenant}/{session}")
+    return scoped_session(who.tenant, session)
 
 
 async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -88,5 +88,6 @@ class SessionHintEffects:
         if hints.close:
             cache.evict_session(tenant, session)
         elif cache.pin_session(tenant, session) is None:
+            cache.withdraw_pin(tenant, session)  # nor does the policy count it pinned
             model = self.state.config.model_name
             self.state.metrics.session_pins_over_quota.labels(model, tenant).inc()

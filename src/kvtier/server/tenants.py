@@ -151,7 +151,14 @@ class TenantCache:
 
     def unpin_session(self, tenant: str, session_id: str) -> int:
         with self.engine.exclusive():
-            return self._unpin((tenant, session_id))
+            unpinned = self._unpin((tenant, session_id))
+        self.withdraw_pin(tenant, session_id)
+        return unpinned
+
+    def withdraw_pin(self, tenant: str, session_id: str) -> None:
+        """The session's `pin` hint is not in force: the retention policy stops seeing it
+        pinned (until a later turn pins it again)."""
+        self.engine.withdraw_pin(scoped_session(tenant, session_id))
 
     def unpin_all(self) -> int:
         with self.engine.exclusive():
@@ -186,6 +193,12 @@ class TenantCache:
     def _drop(self, block_ids: list[int]) -> int:
         """Evict idle cached blocks now; every listener (this one, a tiered store) hears it."""
         return self.engine.drop_cached(block_ids)
+
+
+def scoped_session(tenant: str, session: str) -> str:
+    """The engine's id of a tenant's session, `tenant/session` (interned as `plain_session`'s
+    result is)."""
+    return sys.intern(f"{tenant}/{session}")
 
 
 def plain_session(session_id: str | None) -> str | None:
