@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.cache.stats import TIER_TRAFFIC
 from kvtier.integrations.vllm.series import Deltas, parse_key, series_key, totals
-from kvtier.server.metrics import TIER_TRAFFIC
 
 
 def report(host_tokens: int = 256, recomputed: int = 30, used: int = 100) -> dict:

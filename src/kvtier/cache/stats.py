@@ -7,6 +7,19 @@ from typing import Any
 
 from kvtier.tiers import Mover, TieredStore
 
+# A tier's traffic in the report: (field, the metric series both `kvtier serve` and the vLLM
+# connector export it as, its help text), so the two expositions name it alike.
+TIER_TRAFFIC = (
+    ("bytes_read", "tier_read_bytes", "Bytes read from a KV tier (restores, prefetches, moves)."),
+    ("read_seconds", "tier_read_seconds", "Seconds spent reading from a KV tier."),
+    (
+        "bytes_written",
+        "tier_written_bytes",
+        "Bytes written to a KV tier (write-through, spills, moves).",
+    ),
+    ("write_seconds", "tier_write_seconds", "Seconds spent writing to a KV tier."),
+)
+
 _TIER_FIELDS = (
     "used_bytes",
     "capacity_bytes",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtier.cache.stats import TIER_TRAFFIC
 from kvtier.tiers.base import ERROR_REASONS
 from kvtier.vocab import LOWER_TIERS, SOURCES
 
@@ -109,19 +110,6 @@ def restore_source(sources: dict[str, int]) -> str:
     if tokens:
         return tier
     return "device" if sources["device"] else "recomputed"
-
-
-# a tier's reads and writes: (its field in the engine's tier stats, series, help)
-TIER_TRAFFIC = (
-    ("bytes_read", "tier_read_bytes", "Bytes read from a KV tier (restores, prefetches, moves)."),
-    ("read_seconds", "tier_read_seconds", "Seconds spent reading from a KV tier."),
-    (
-        "bytes_written",
-        "tier_written_bytes",
-        "Bytes written to a KV tier (write-through, spills, moves).",
-    ),
-    ("write_seconds", "tier_write_seconds", "Seconds spent writing to a KV tier."),
-)
 
 
 class TierCollector:

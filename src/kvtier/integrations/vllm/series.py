@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtier.cache.stats import TIER_TRAFFIC
 from kvtier.vocab import SOURCES
 
 PREFIX = "kvtier:"
@@ -74,20 +75,7 @@ CATALOGUE: dict[str, Series] = {
         Series("tier_used_bytes", "gauge", _TIER, "Bytes a KV tier holds."),
         Series("tier_capacity_bytes", "gauge", _TIER, "A KV tier's budget in bytes."),
         Series("tier_chunks", "gauge", _TIER, "Chunks a KV tier holds."),
-        Series(
-            "tier_read_bytes",
-            "counter",
-            _TIER,
-            "Bytes read from a KV tier (restores, prefetches, moves).",
-        ),
-        Series("tier_read_seconds", "counter", _TIER, "Seconds spent reading from a KV tier."),
-        Series(
-            "tier_written_bytes",
-            "counter",
-            _TIER,
-            "Bytes written to a KV tier (write-through, spills, moves).",
-        ),
-        Series("tier_write_seconds", "counter", _TIER, "Seconds spent writing to a KV tier."),
+        *(Series(name, "counter", _TIER, text) for _, name, text in TIER_TRAFFIC),
         Series(
             "tier_errors",
             "counter",
@@ -132,10 +120,7 @@ _TIER_FIGURES = {
     "used_bytes": "tier_used_bytes",
     "capacity_bytes": "tier_capacity_bytes",
     "chunks": "tier_chunks",
-    "bytes_read": "tier_read_bytes",
-    "read_seconds": "tier_read_seconds",
-    "bytes_written": "tier_written_bytes",
-    "write_seconds": "tier_write_seconds",
+    **{field: name for field, name, _ in TIER_TRAFFIC},
 }
 
 
