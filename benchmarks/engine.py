@@ -49,6 +49,7 @@ from vllm_cpu import (
 )
 
 from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.host_cpu import host_cpu
 from kvtier.models import resolve_model_dir
 
 
@@ -257,6 +258,8 @@ def _context(
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
+            # the figures depend on it: vLLM-CPU prefills ~5x faster where the CPU has AMX
+            "cpu": host_cpu().as_dict(),
             "wall_s": round(time.perf_counter() - started, 1),
             "other_processes_cpu_s": (
                 None
@@ -360,6 +363,7 @@ def main() -> None:
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
+    print(f"host: {host_cpu().describe()}", flush=True)  # what every figure below depends on
     if args.long:
         report = run_long(args)
         report["table"] = long_table(report)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvtier import cli
+from kvtier.host_cpu import host_cpu
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +81,9 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     assert document["schema"] == "kvtier.results/1"
     assert document["source"] == "bench"
     assert document["command"].startswith("kvtier bench")
+    # the CPU the timings come from, as this host's /proc/cpuinfo names it
+    assert document["host"]["cpu"] == host_cpu().as_dict()
+    assert f"host: {host_cpu().describe()}" in printed
     workload = document["config"]["workload"]
     assert workload["sessions"] == 2 and workload["length_scale"] == 1.0
     assert document["config"]["runs"]["retain"]["idle_skipped_s"] > 1000

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.bench.console import Progress, command_line, forms_line, warn_without_resumed
 from kvtier.bench.run_setup import BENCH_MAX_NUM_SEQS, DEFAULT_KV_BYTES, QUICK_KV_BYTES
 from kvtier.errors import KvtierError
+from kvtier.host_cpu import host_cpu
 from kvtier.settings.flags import add_config_argument, add_table_arguments
 from kvtier.workload.flags import add_hidden_alias, add_workload_arguments
 
@@ -199,11 +200,14 @@ def run(args: argparse.Namespace) -> int:
         )
     document = to_document("bench", config, runs)
     document["command"] = command_line()
+    cpu = host_cpu()  # the engine ran here: its timings are this CPU's
+    document["host"] = {"cpu": cpu.as_dict()}
     out = Path(args.out)
     written = write_results(out, document, runs)
     if not args.no_plots:
         written += write_html(out, document, runs)
     print(markdown(document))
+    print(f"host: {cpu.describe()}")
     for r in results:
         print(
             f"{r.run.policy}: {r.wall_s:.1f} s wall for {r.trace_s:,.0f} s of trace "
