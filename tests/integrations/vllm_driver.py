@@ -27,7 +27,7 @@ ids) and the store's moves. `pressure`: vLLM runs one request at a time (`max_nu
 the policy (`offload`) has a timer of an hour: session A's turn (pinned by its hint), then
 session B's, then three other prompts at once, two of which wait while vLLM's free blocks
 not holding a paused session's KV are fewer than the head needs; then A's and B's second
-turns.
+turns. `pressure-baseline`: the same with vLLM alone.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def flood_tokens() -> list[int]:
 
 
 def tiers_config(mode: str, disk_dir: str | None, remote_url: str | None) -> dict | None:
-    if mode == "baseline":
+    if mode in ("baseline", "pressure-baseline"):
         return None
     tiers: dict = {"chunk_tokens": 128}
     # the LRU cascade: under vLLM's pressure a paused session's chunks move down to a tier
@@ -315,20 +315,22 @@ def under_pressure(llm, turn) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # B's finish reaches the worker with the next step: a 3-token request drives one
     llm.generate([TokensPrompt(prompt_token_ids=[7, 8, 9])], greedy, use_tqdm=False)
-    engine = REGISTRY.all()[0]
-    with engine.lock:
-        view = engine.connector.runner.view()
-    on_device = {
-        s.session_id: sum(1 for c in s.chunks if c.tier == "device") for s in view.sessions
-    }
+    on_device = {}
+    for engine in REGISTRY.all():  # none for vLLM alone
+        with engine.lock:
+            view = engine.connector.runner.view()
+        on_device = {
+            s.session_id: sum(1 for c in s.chunks if c.tier == "device") for s in view.sessions
+        }
     rng = random.Random("kvtier-vllm-pressure")
     others = [[rng.randrange(100, 49152) for _ in range(PRESSURE_OTHER_TOKENS)] for _ in range(3)]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in others], greedy, use_tqdm=False)
     queued = report()
     for session in ("A", "B"):
         turn(prompts[session], f"{session}: turn 2", {"session_id": session})
-    llm.reset_prefix_cache()
-    turn(prompts["B"], "B: turn 2 recomputed", {"session_id": "B", "kv_load_tiers": []})
+    if on_device:
+        llm.reset_prefix_cache()
+        turn(prompts["B"], "B: turn 2 recomputed", {"session_id": "B", "kv_load_tiers": []})
     return {"device_chunks_before": on_device, "after_queue": queued}
 
 
@@ -378,6 +380,7 @@ def main() -> None:
             "load-control",
             "events",
             "pressure",
+            "pressure-baseline",
         ),
     )
     parser.add_argument("--out", type=Path, required=True)
@@ -418,7 +421,7 @@ def main() -> None:
         kv_transfer_config=tiers_config(args.mode, args.disk_dir, remote_url),
         kv_events_config=events_config,
         # one request at a time: the others wait in vLLM's queue (the pressure scenario)
-        **({"max_num_seqs": 1} if args.mode == "pressure" else {}),
+        **({"max_num_seqs": 1} if args.mode.startswith("pressure") else {}),
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     result: dict = {"mode": args.mode, "load_s": time.perf_counter() - started, "turns": []}
@@ -442,6 +445,7 @@ def main() -> None:
                 "prompt_tokens": len(prompt),
                 "output": output,
                 "seconds": time.perf_counter() - t0,
+                "vllm_cached_tokens": out[0].num_cached_tokens,  # vLLM's own and the connector's
                 **delta(before, report()),
             }
         )
@@ -449,7 +453,7 @@ def main() -> None:
 
     if args.mode == "hints":
         result.update(hinted_sessions(llm))
-    elif args.mode == "pressure":
+    elif args.mode.startswith("pressure"):
         result.update(under_pressure(llm, turn))
     elif subscriber is not None:
         result.update(events_run(llm, subscriber))
