@@ -47,6 +47,6 @@ def test_without_cpuinfo_the_features_are_unknown_not_absent(tmp_path):
     assert cpu.describe().endswith("CPU features unknown")
 
 
-def test_this_host_reads(tmp_path):
+def test_this_host_reads():
     cpu = host_cpu()
     assert cpu.model and cpu.cores >= 1

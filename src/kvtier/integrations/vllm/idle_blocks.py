@@ -28,9 +28,6 @@ class IdleBlocks:
     def __init__(self) -> None:
         self._hash_of: dict[int, Any] = {}  # block id -> vLLM's block hash at the finish
         self._gone: list[int] = []
-        self.evicted = 0  # orders applied (tests and the scheduler's log read them)
-        self.kept = 0
-        self.refused = 0  # orders for blocks reused or hit since
 
     def __len__(self) -> int:
         return len(self._hash_of)
@@ -72,7 +69,6 @@ class IdleBlocks:
             pool.touch([block])
             pool.evict_blocks({block_id})
             pool.free_blocks([block])
-            self.evicted += 1
         queue = getattr(pool, "free_block_queue", None)
         for block_id in keep:
             block = self._idle(pool, block_id)
@@ -80,12 +76,10 @@ class IdleBlocks:
                 continue
             queue.remove(block)
             queue.prepend_n([block])
-            self.kept += 1
 
     def _idle(self, pool: Any, block_id: int) -> Any:
         expected = self._hash_of.pop(block_id, None)
         block = pool.blocks[block_id] if 0 <= block_id < len(pool.blocks) else None
         if expected is None or block is None or block.ref_cnt or block.block_hash != expected:
-            self.refused += 1
-            return None
+            return None  # reused or hit since the order: vLLM's now
         return block
