@@ -1,7 +1,8 @@
 """How much of `cost`'s distance from the oracle is its predictor still learning, and how much is
 information no predictor has: `cost` with its reuse predictor warm-started from the gaps of the
-same preset drawn at another seed (each (tenant, app class) key's true distribution, including
-how often a session never returns; not the individual returns that the oracle is told).
+same preset drawn at another seed (each reuse key's true distribution: tenant, app class and how
+the turn before the gap ended, including how often a session never returns; not the individual
+returns that the oracle is told).
 
     PYTHONPATH=src:benchmarks python benchmarks/informed_predictor.py --workload multiclass \
         --seed 0 -- --workload-set sessions=150 --device-kv-bytes 40GB --host-bytes 256GB \
@@ -18,6 +19,7 @@ docs/policy.md ("The amount priced over the stay").
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections import defaultdict
@@ -26,11 +28,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.cli import main as kvtier_main
 from kvtier.policy.cost_policy import CostPolicy
+from kvtier.policy.key_codes import Key
 
 if TYPE_CHECKING:
     from kvtier.policy.base import RetentionPolicy
     from kvtier.policy.config import PolicyConfig
     from kvtier.policy.cost_model import CostModel
+    from kvtier.workload.model import Session, Turn
 
 SAMPLE_SEED = 99  # the warm start's draw: never one of the seeds it is compared on
 SAMPLE_SESSIONS = 1000
@@ -41,7 +45,7 @@ class InformedCost(CostPolicy):
     """`cost` whose predictor starts from `gaps` (per reuse key; inf: the session ended)."""
 
     name = "informed"
-    gaps: ClassVar[dict[tuple[str, str], list[float]]] = {}
+    gaps: ClassVar[dict[Key, list[float]]] = {}
 
     @classmethod
     def from_config(cls, config: PolicyConfig, model: CostModel) -> RetentionPolicy:
@@ -54,20 +58,28 @@ class InformedCost(CostPolicy):
 
 def preset_gaps(
     preset: str, finished_only: bool, sessions: int = SAMPLE_SESSIONS
-) -> dict[tuple[str, str], list[float]]:
+) -> dict[Key, list[float]]:
     """Every gap of `sessions` sessions of `preset` at `SAMPLE_SEED`, per reuse key; each
     session's end counts as a gap past any cut-off unless `finished_only`."""
     from kvtier.workload.generator import generate
     from kvtier.workload.presets import preset_config
 
     config = preset_config(preset).model_copy(update={"sessions": sessions})
-    gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    gaps: dict[Key, list[float]] = defaultdict(list)
     for session in generate(config, seed=SAMPLE_SEED).sessions:
-        key = (session.tenant, session.app_class)
-        gaps[key] += [turn.think_s for turn in session.turns[1:] if turn.think_s is not None]
-        if not finished_only:
-            gaps[key].append(math.inf)
+        turns = session.turns
+        # each gap under the key the policy learns it by: how the turn before it ended
+        for before, turn in itertools.pairwise(turns):
+            if turn.think_s is not None:
+                gaps[_key_after(session, before)].append(turn.think_s)
+        if not finished_only and turns:
+            gaps[_key_after(session, turns[-1])].append(math.inf)
     return dict(gaps)
+
+
+def _key_after(session: Session, turn: Turn) -> Key:
+    """`SessionView.key_after` of a generated turn."""
+    return (session.tenant, session.app_class, turn.end, turn.tool)
 
 
 def main() -> int:

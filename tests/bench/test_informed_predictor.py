@@ -19,7 +19,11 @@ def test_the_warm_start_counts_every_sessions_end_once_unless_told_not_to():
     gaps = preset_gaps("multiclass", finished_only=False, sessions=60)
     ends = sum(g.count(math.inf) for g in gaps.values())
     assert ends == 60
-    assert {app for _, app in gaps} == {"agent", "chat", "docqa"}
+    assert {app for _, app, _, _ in gaps} == {"agent", "chat", "docqa"}
+    # the keys the policy learns by: how the turn before each gap ended, the tool it called
+    agentic = preset_gaps("agentic", finished_only=False, sessions=40)
+    assert ("agent", "tool_call", "run_tests") in {key[1:] for key in agentic}
+    assert ("agent", "answer", None) in {key[1:] for key in agentic}
     finished = preset_gaps("multiclass", finished_only=True, sessions=60)
     assert not any(math.inf in g for g in finished.values())
     assert sum(map(len, finished.values())) == sum(map(len, gaps.values())) - ends

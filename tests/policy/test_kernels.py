@@ -268,11 +268,10 @@ def _numpy_mine(predictor, gaps):
 
 def _python_score(predictor, key, gaps, gap_s):
     """The scores one outcome adds, as `ReusePredictor._score` computed them in Python before
-    `kernels.score_return`: the key's distribution (the pooled one for a key not seen),
+    `kernels.score_return`: the key's distribution (what it backs off to for a key not seen),
     blended with the session's own gaps at each candidate weight, at the edges the outcome
     touches."""
-    known = key in predictor._keys
-    cdf = predictor._distribution(key if known else None)[0]
+    cdf = predictor._distribution(key)[0]  # a key not seen yet: what it backs off to
     late = gap_s >= predictor.max_age_s
     at = (-1,) if late else (predictor._bin(gap_s), predictor._bin(gap_s) + 1)
     key_at = [float(cdf[i]) for i in at]

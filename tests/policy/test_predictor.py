@@ -88,6 +88,50 @@ def test_keys_learn_separately_and_new_keys_start_from_the_pool():
     assert newcomer == pytest.approx(0.5, abs=0.05)  # half the pooled sessions return in 3 s
 
 
+def test_a_key_backs_off_to_the_same_key_across_tenants_before_the_pool():
+    # agent traffic: most gaps are tool calls back in seconds; after an answer an agent comes
+    # back in minutes or never. A tenant with few answers of its own is predicted like the
+    # other tenants' answers, not like the traffic's majority.
+    predictor = ReusePredictor()
+    rng = random.Random(3)
+    answer_a, answer_b = ("a", "agent", "answer", None), ("b", "agent", "answer", None)
+    for _ in range(3000):
+        predictor.record_gap(("a", "agent", "tool_call", "read_file"), rng.uniform(0.2, 2.0))
+    for _ in range(100):
+        predictor.record_gap(answer_a, rng.uniform(120.0, 600.0))
+        predictor.record_no_return(answer_a)
+    for gap in (300.0, 200.0):
+        predictor.record_gap(answer_b, gap)
+    pooled = ("b", "search", None, None)  # a class never seen: the pooled distribution
+    assert predictor.p_reuse(pooled, 0.0, 10.0) > 0.8  # the majority's seconds
+    assert predictor.p_reuse(answer_b, 0.0, 10.0) < 0.06
+    # half of tenant a's agents never came back after an answer; b's two came back
+    assert 0.3 < predictor.p_no_return(answer_b) < 0.5
+    assert predictor.p_no_return(pooled) < 0.1
+    # a tenant never seen starts from the others' answers too
+    assert predictor.p_reuse(("c", "agent", "answer", None), 0.0, 10.0) < 0.06
+
+
+def test_a_level_of_one_tenant_is_not_counted_twice():
+    # while one tenant has a key's class and end, its gaps back off to the pool directly, as
+    # if there were no level across tenants; a second tenant makes the level count
+    one, two = ReusePredictor(), ReusePredictor()
+    key = ("a", "chat", None, None)
+    for gap in (5.0, 40.0, 300.0, 1200.0) * 20:
+        one.record_gap(key, gap)
+        two.record_gap(key, gap)
+    two.record_gap(("b", "chat", None, None), 3000.0)
+    one.record_gap(("b", "code", None, None), 3000.0)  # the same pooled data, another class
+    level = one._distribution(key)
+    assert level[0].tobytes() == one._distribution(key)[0].tobytes()
+    pooled = np.diff(one._distribution(None)[0])
+    histogram = one._keys[key]
+    weight = one.prior.weight
+    want = np.cumsum((histogram.counts + weight * pooled) / (histogram.total + weight))
+    assert level[0][1:].tobytes() == want.tobytes()
+    assert two._distribution(key)[0].tobytes() != level[0].tobytes()
+
+
 def test_memory_is_bounded_by_max_keys():
     predictor = ReusePredictor(max_keys=2)
     for _ in range(200):

@@ -31,9 +31,9 @@ bins (the logarithms stay numpy's: numba's `log` differs from it in the last bit
 inputs in a million), `stale_rows` is `SessionTable.stale`'s comparisons, `merge_units`
 the merging of a session's chunks into pricing units (sums of whole numbers), and
 `score_return` the scoring of each return the predictor learns from (`ReusePredictor._score`),
-one call where there were a dozen: the key's distribution with the pooled one it blends with,
-the session's own gaps folded and summed (`own_cumulative`, which
-`_mine` shares; numpy's `sum` is `pairwise_sum`) and a logarithm per candidate weight. Their
+one call where there were a dozen: the session's own gaps folded and summed (`own_cumulative`,
+which `_mine` shares; numpy's `sum` is `pairwise_sum`), blended with the key's distribution, and
+a logarithm per candidate weight. Their
 convolution stays numpy's, whose dot products sum in BLAS's order. Each does the same
 operations on the same numbers as the numpy passes it replaced, which the tests keep beside
 them.
@@ -350,26 +350,6 @@ def stale_rows(  # pragma: no cover - compiled
         out[s] = stale
 
 
-@compiled(
-    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1])",
-    inline="always",
-)
-def _blend(counts, no_return, base, weight, censored, running, out):  # pragma: no cover
-    """`ReusePredictor._distribution`'s cumulative masses of one histogram (`counts`, and
-    `no_return` sessions that never came back) blended with `weight` pseudo-sessions spread
-    like `base`: `life_table` over the gaps still running (`censored`) when `running`, else
-    `cumulative_masses`. The total is summed as `_Histogram.total` then the prior's weight
-    added, as the predictor does."""
-    total = 0.0
-    for c in counts:  # whole counts: exact in any order
-        total += c
-    total = total + no_return + weight
-    if running:
-        life_table(counts, base, weight, total, censored, out)
-    else:
-        cumulative_masses(counts, base, weight, total, out)
-
-
 @compiled("float64(float64[::1], int64, int64)")
 def pairwise_sum(a, start, n):  # pragma: no cover - compiled
     """numpy's sum of `a[start:start + n]` (contiguous float64): its pairwise summation, in
@@ -424,49 +404,17 @@ def own_cumulative(smoothed, half, out):  # pragma: no cover - compiled
 
 
 @compiled(
-    "void(float64[::1], float64, float64[::1], float64, float64[::1], boolean, float64[::1],"
-    " float64, float64[::1], boolean, boolean, float64[::1], int64, int64, int64, boolean,"
-    " float64[::1], float64[::1])"
+    "void(float64[::1], float64[::1], int64, int64, int64, boolean, float64[::1], float64[::1])"
 )
-def score_return(  # pragma: no cover - compiled
-    pooled_counts,
-    pooled_no_return,
-    prior,
-    weight,
-    pooled_censored,
-    pooled_running,
-    counts,
-    no_return,
-    censored,
-    running,
-    known,
-    smoothed,
-    half,
-    gaps,
-    at,
-    late,
-    weights,
-    scores,
-):
+def score_return(key, smoothed, half, gaps, at, late, weights, scores):  # pragma: no cover
     """`ReusePredictor._score` of one outcome, in one call: add to each candidate session
     weight's score the log of the chance it gave the outcome, a return in bin `at` (or none,
-    `late`), under the key's distribution (of the first ten arguments, as the predictor
-    builds it; the pooled one where the key is not `known`) blended with the session's own
-    `gaps` gaps (`own_cumulative` of `smoothed` and `half`) at that weight (inf: the key's
-    alone). The same operations in the same order as the Python it replaced, and the
-    logarithm is the C library's, as Python's `math.log`."""
-    n = len(prior) + 1
-    # `ReusePredictor._distribution`'s: the pooled histogram blended with the prior, then
-    # the key's with the pooled masses (`_blend` each)
-    pooled = np.empty(n)
-    _blend(pooled_counts, pooled_no_return, prior, weight, pooled_censored, pooled_running, pooled)
-    key = pooled
-    if known:
-        base = np.empty(n - 1)
-        for i in range(n - 1):
-            base[i] = pooled[i + 1] - pooled[i]
-        key = np.empty(n)
-        _blend(counts, no_return, base, weight, censored, running, key)
+    `late`), under the key's distribution (`key`, cumulative masses at the edges, as
+    `ReusePredictor._distribution` gives them) blended with the session's own `gaps` gaps
+    (`own_cumulative` of `smoothed` and `half`) at that weight (inf: the key's alone). The
+    same operations in the same order as the Python it replaced, and the logarithm is the C
+    library's, as Python's `math.log`."""
+    n = len(key)
     mine = np.empty(n)
     own_cumulative(smoothed, half, mine)
     lo = n - 1 if late else at
