@@ -181,7 +181,6 @@ class ReusePredictor:
         lows = np.maximum(self.edges[:-1], 1e-300)
         self._log_width = np.log(self.edges[1:] / lows)
         self._prior_masses, self._prior_no_return = self.prior.masses(self.edges)
-        self._no_bins = np.zeros(len(self.edges) - 1)  # no gaps running
         self._pooled = _Histogram(bins)
         self._keys: OrderedDict[Key, _Histogram] = OrderedDict()
         self._across: OrderedDict[_AcrossTenants, _Histogram] = OrderedDict()
