@@ -250,7 +250,7 @@ class ReusePredictor:
         (`kernels.life_table`)."""
         bins = len(self.edges) - 1
         censored: dict[Level, np.ndarray] = {}
-        across: dict[Level, np.ndarray] = {}
+        across: dict[_AcrossTenants, np.ndarray] = {}
         for key, ages in running.items():
             ages = ages[ages < self.max_age_s]
             if len(ages):
@@ -603,8 +603,9 @@ class ReusePredictor:
         if fresh:
             self._only_tenant[up] = key[0]
         elif self._only_tenant.get(up, key[0]) != key[0]:
-            del self._only_tenant[up]  # a second tenant: the level is shared from now on
-            self._cache.clear()
+            # a second tenant: the level is shared from now on (every caller then clears the
+            # distributions cached from before)
+            del self._only_tenant[up]
         return self._pooled, across, self._histogram(key)
 
     def _bounded(self, table: OrderedDict, key: Key | _AcrossTenants) -> _Histogram:
