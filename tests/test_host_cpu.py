@@ -3,6 +3,10 @@ by, read from /proc/cpuinfo."""
 
 from __future__ import annotations
 
+import pytest
+
+from kvtier.engine.config import EngineConfig, resolve_dtype
+from kvtier.errors import KvtierError
 from kvtier.host_cpu import host_cpu
 
 AMX_XEON = """processor\t: 0
@@ -50,3 +54,30 @@ def test_without_cpuinfo_the_features_are_unknown_not_absent(tmp_path):
 def test_this_host_reads():
     cpu = host_cpu()
     assert cpu.model and cpu.cores >= 1
+
+
+AVX2_EPYC = """processor\t: 0
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 fma avx avx2
+"""
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path):
+    cpus = {}
+    for name, text in (("amx", AMX_XEON), ("avx512_bf16", EPYC), ("avx2", AVX2_EPYC)):
+        (tmp_path / name).write_text(text)
+        cpus[name] = host_cpu(tmp_path / name)
+    assert resolve_dtype("auto", "cpu", cpus["amx"]) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", cpus["avx512_bf16"]) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", cpus["avx2"]) == "float32"
+    assert resolve_dtype("auto", "cuda:0", cpus["avx2"]) == "bfloat16"  # the GPU's, not the CPU's
+    unknown = host_cpu(tmp_path / "missing")
+    assert resolve_dtype("auto", "cpu", unknown) == "float32"  # no proof of bf16 hardware
+    for explicit in ("bfloat16", "float32"):  # a named dtype is kept on any host
+        assert resolve_dtype(explicit, "cpu", cpus["avx2"]) == explicit
+        assert resolve_dtype(explicit, "cpu", cpus["amx"]) == explicit
+    with pytest.raises(KvtierError, match="dtype must be 'auto', 'bfloat16' or 'float32'"):
+        resolve_dtype("float16", "cpu", cpus["amx"])
+    with pytest.raises(KvtierError, match="dtype must be 'auto'"):
+        EngineConfig(dtype="fp8")  # type: ignore[arg-type]
+    assert EngineConfig().dtype == "auto"

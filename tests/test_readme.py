@@ -85,7 +85,7 @@ HOW: dict[str, Run | WithServer | ByCi] = {
         # one policy: each replay prefills the demo's two ~4.2K-token histories (seconds each)
         BENCH_QUICK: Run(("--policies", "offload")),
         "kvtier bench --workload default --sessions 4 --scale-to-context 2048 "
-        "--policies offload,cost --kv-cache-bytes 64MiB --out out/bench-default": Run(
+        "--policies offload,cost --kv-cache-bytes 128MiB --out out/bench-default": Run(
             ("--sessions", "1", "--policies", "offload")
         ),
         "kvtier bench --workload sample --scale-to-context 2048 --sessions 20 "

@@ -30,6 +30,12 @@ class HostCpu:
     def amx(self) -> bool | None:
         return None if self.features is None else "amx_bf16" in self.features
 
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the CPU multiplies bf16 in hardware (AVX512_BF16 or AMX); False where its
+        features are unknown."""
+        return self.features is not None and bool({"avx512_bf16", "amx_bf16"} & set(self.features))
+
     def describe(self) -> str:
         """One line: `AMD EPYC, 2 cores; avx2, avx512f, avx512_bf16, avx512_vnni; no AMX`."""
         head = f"{self.model}, {self.cores} cores"

@@ -5,6 +5,7 @@ README's examples run as written; plots read well; flag spellings follow vLLM.""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvtier.results.summary import failed_by_reason
 from kvtier.workload.model import Session, Turn, Workload, flatten
 from kvtier.workload.source import load_workload
 from kvtier.workload.subset import keep_sessions
+from tests.host_dtype import BLOCK_BYTES
 from tests.results.conftest import hand_run, request
 
 README = Path(__file__).parents[2] / "README.md"
@@ -50,14 +52,16 @@ def _one_line_error(capsys) -> str:
 
 @pytest.mark.slow
 def test_a_request_too_big_for_the_pool_is_refused_with_the_size_that_fits(tmp_path, capsys):
-    # 600 + 40 tokens = 40 blocks of 16; 8 MiB holds 22 blocks of SmolLM2 (360 KiB each)
+    # 600 + 40 tokens = 40 blocks of 16; 8 MiB holds 22 blocks of SmolLM2 in bf16 (360 KiB
+    # each), 11 in float32
     trace = _bailian(tmp_path / "t.jsonl", [(1, -1, 0.0, 100, 4), (2, -1, 1.0, 600, 40)])
     assert _bench(tmp_path, "--workload", str(trace), "--kv-cache-bytes", "8MiB") == 2
     err = _one_line_error(capsys)
     assert "the longest request, t-1/0," in err  # the second record's session, turn 0
-    assert "640 tokens" in err and "40 blocks" in err and "holds 22 blocks" in err
+    held = (8 << 20) // BLOCK_BYTES
+    assert "640 tokens" in err and "40 blocks" in err and f"holds {held} blocks" in err
     smallest = re.search(r"--kv-cache-bytes (\d+MiB)", err).group(1)
-    assert smallest == "15MiB"  # 40 x 368,640 B = 14.06 MiB
+    assert smallest == f"{math.ceil(40 * BLOCK_BYTES / (1 << 20))}MiB"  # bf16: 15MiB
     assert not (tmp_path / "bench").exists()  # refused before any replay
     # the size it names is enough: every request completes
     assert _bench(tmp_path, "--workload", str(trace), "--kv-cache-bytes", smallest) == 0

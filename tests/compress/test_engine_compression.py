@@ -10,6 +10,7 @@ from kvtier.compress.config import EVICTION_PRESSES
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.engine.compressor import Compressor
 from kvtier.errors import KvtierError
+from tests.host_dtype import BLOCK_BYTES
 
 from .conftest import MIB, prose_prompt, random_prompt
 
@@ -237,7 +238,7 @@ def test_kivi_quantizes_the_kept_kv_but_not_the_recent_window(engine):
 def test_a_preempted_compressed_request_recomputes_and_compresses_again():
     # 10 blocks of 16 tokens for three 60-token prompts growing to 100: someone is preempted.
     engine = Engine(
-        EngineConfig(kv_cache_bytes=10 * 368_640, compression=parse_method("snapkv:0.5"))
+        EngineConfig(kv_cache_bytes=10 * BLOCK_BYTES, compression=parse_method("snapkv:0.5"))
     )
     assert engine.kv_pool.num_blocks == 10
     prompts = [random_prompt(60, seed) for seed in (1, 2, 3)]

@@ -22,6 +22,7 @@ from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.kv_cache_manager import KVCacheManager
 from kvtier.engine.request import FinishReason, Request
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from tests.host_dtype import BLOCK_BYTES
 
 from .conftest import random_prompt
 from .invariants import check_drained, check_invariants
@@ -101,7 +102,7 @@ def test_real_engine_random_requests_and_aborts():
     """~50 random requests through the real model on a 48-block pool (768 tokens), with
     shared prefixes, random aborts and forced preemptions; then nothing is left behind."""
     engine = Engine(
-        EngineConfig(kv_cache_bytes=48 * 16 * 23_040, max_num_batched_tokens=96, max_num_seqs=12)
+        EngineConfig(kv_cache_bytes=48 * BLOCK_BYTES, max_num_batched_tokens=96, max_num_seqs=12)
     )
     assert engine.kv_pool.capacity_bytes <= engine.config.kv_cache_bytes
     rng = random.Random(7)

@@ -8,16 +8,15 @@ import pytest
 
 from kvtier.engine import Engine, EngineConfig, SamplingParams
 from kvtier.errors import KvtierError
+from tests.host_dtype import BLOCK_BYTES
 
 from .conftest import random_prompt
-
-BF16_BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2: 368,640 bytes per 16-token block
 
 
 @pytest.fixture(scope="module")
 def small_engine() -> Engine:
     """Context capped at 256 tokens; pool of 12 blocks (192 tokens)."""
-    return Engine(EngineConfig(max_model_len=256, kv_cache_bytes=12 * BF16_BLOCK_BYTES))
+    return Engine(EngineConfig(max_model_len=256, kv_cache_bytes=12 * BLOCK_BYTES))
 
 
 @pytest.mark.slow
@@ -52,7 +51,7 @@ def test_generation_that_outgrows_the_pool_ends_with_length(small_engine):
 
 @pytest.mark.slow
 def test_generation_stops_at_the_model_context():
-    engine = Engine(EngineConfig(max_model_len=64, kv_cache_bytes=8 * BF16_BLOCK_BYTES))
+    engine = Engine(EngineConfig(max_model_len=64, kv_cache_bytes=8 * BLOCK_BYTES))
     (out,) = engine.generate(
         [random_prompt(60, 7)], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     )

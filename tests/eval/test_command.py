@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.eval.sample import read_jsonl
+from tests.host_dtype import AUTO_DTYPE, BLOCK_BYTES
 
 
 @pytest.mark.parametrize(
@@ -43,9 +44,10 @@ def test_tiny_run_with_full_cache_writes_scores_bytes_and_plot(tmp_path, capsys)
     (row,) = doc["summary"]
     assert row["spec"] == "full" and row["num_samples"] == 4
     assert set(row["scores"]) == {"niah_single", "passkey"}
+    assert doc["settings"]["dtype"] == AUTO_DTYPE  # what `--dtype auto` ran on this host
     # Full cache: every prompt token's KV is held, in whole 16-token blocks of
-    # 2 (K,V) x 30 layers x 3 heads x 64 dims x 2 bytes (bf16).
-    bytes_per_block = 2 * 30 * 3 * 16 * 64 * 2
+    # 2 (K,V) x 30 layers x 3 heads x 64 dims x 2 bytes (bf16), 4 in float32
+    bytes_per_block = BLOCK_BYTES
     by_id = {s.sample_id: s for s in samples}
     for result in doc["samples"]:
         prompt = by_id[result["sample_id"]].num_prompt_tokens

@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free loopback port, in a thread, around one shared bf16 engine."""
+"""A real uvicorn server on a free loopback port, in a thread, around one shared engine
+of the default dtype."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 import pytest
 
 from kvtier.settings.server import ServerConfig, TenantConfig
+from tests.host_dtype import BLOCK_BYTES
 
-BLOCK_BYTES = 368_640  # SmolLM2, bf16, 16 tokens
 NUM_BLOCKS = 96
 MODEL = "smollm2"
 ALICE_KEY = "sk-alice"
@@ -62,9 +63,7 @@ def stop_server(server: Server, thread: threading.Thread) -> None:
 def engine():
     from kvtier.engine import Engine, EngineConfig
 
-    engine = Engine(
-        EngineConfig(dtype="bfloat16", kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, max_num_seqs=32)
-    )
+    engine = Engine(EngineConfig(kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, max_num_seqs=32))
     yield engine
     engine.close()
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
+from tests.host_dtype import BLOCK_BYTES
+
 BIN = Path(sys.executable).parent
 TEXT = Path(__file__).resolve().parents[2] / "src/kvtier/data/text"
-BLOCK_BYTES = 368_640  # SmolLM2, bf16, 16 tokens
 # Small enough that two other sessions push an idle one out: 16 blocks = 256 tokens; each
 # turn here holds about 10.
 SMALL_POOL = [

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.host_dtype import AUTO_DTYPE
 from tests.server.serve_process import (
     BIN,
     SMALL_POOL,
@@ -44,6 +45,9 @@ def test_host_tier_restores_a_session_pushed_off_the_device(tmp_path: Path, refe
     finally:
         server.stop()
     check_restored(turns, reference, "host")
+    # dtype auto: what this host multiplies natively, and the pool sized for it in blocks
+    assert f"{AUTO_DTYPE} on " in server.output
+    assert "device KV pool: 16 blocks x 16 tokens" in server.output
     assert "tiers: host 67.1 MB" in server.output
     assert "policy: cost" in server.output
     restored = metric(metrics, "kvtier:prompt_tokens_by_source_total", source="host")
@@ -95,6 +99,10 @@ def test_disk_tier_restores_it(tmp_path: Path, reference):
 def test_redis_tier_restores_it(tmp_path: Path, reference):
     redis = RedisServer(tmp_path / "redis").start()
     flags = ["--host-bytes", "0", "--remote-url", redis.url, "--remote-bytes", "64MiB"]
+    # A Redis call past its timeout (0.25 s) is recomputed, as it should be; on a loaded
+    # 2-core host one put once took longer, and the turn recomputed a chunk. Timeouts have
+    # their own tests (tests/tiers/test_redis.py); this one is about the restore.
+    flags += ["--tiers-set", "remote_timeout_s=10"]
     server = ServeProcess(tmp_path / "serve.log", *SMALL_POOL, *flags).start()
     try:
         turns = conversation(server.base_url)

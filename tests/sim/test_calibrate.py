@@ -85,7 +85,7 @@ def test_link_fit_solves_latency_and_bandwidth_from_two_sizes():
         (("--prefill", "64@7"), "whole 16-token blocks"),
         (("--decode", "0x128"), "a batch and a context of at least 1"),
         (("--decode", "4"), "--decode takes points like 1x128,8x512"),
-        (("--dtype", "fp8"), "--dtype must be bfloat16 or float32"),
+        (("--dtype", "fp8"), "--dtype must be auto, bfloat16 or float32"),
         (("--base", "h300"), "unknown hardware profile 'h300'"),
     ],
 )

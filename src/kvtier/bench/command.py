@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.console import Progress, command_line, forms_line, warn_without_resumed
 from kvtier.bench.run_setup import BENCH_MAX_NUM_SEQS, DEFAULT_KV_BYTES, QUICK_KV_BYTES
+from kvtier.engine.config import DTYPE_HELP, DTYPES
 from kvtier.errors import KvtierError
 from kvtier.host_cpu import host_cpu
 from kvtier.settings.flags import add_config_argument, add_table_arguments
@@ -70,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(pol)
     eng = parser.add_argument_group("engine (the same for every policy)")
     eng.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
-    eng.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    eng.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help=DTYPE_HELP,
+    )
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     threads = eng.add_argument(
         "--threads",
@@ -86,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "scheduling",
         defaults={
-            "kv_cache_bytes": f"{DEFAULT_KV_BYTES}, {QUICK_KV_BYTES} with --quick: small, so "
-            "idle sessions compete for it",
+            "kv_cache_bytes": f"{DEFAULT_KV_BYTES}, {QUICK_KV_BYTES} with --quick, twice that "
+            "in float32: small, so idle sessions compete for it",
             "max_num_seqs": str(BENCH_MAX_NUM_SEQS),
         },
         aliases={

@@ -53,15 +53,26 @@ def check_and_measure(
     base: Mapping[str, Any], requests: Sequence[Request], max_output_tokens: int | None
 ) -> CostProfile:
     """On an engine of the run's settings without tiers: check that every request fits
-    (`fit.py`, before any policy runs), then measure what its prefills cost (`profile.py`)."""
+    (`fit.py`, before any policy runs), then measure what its prefills cost (`profile.py`).
+    A pool too small for the measuring prefills is measured on an engine like it with a pool
+    that holds them: a prefill's time does not depend on the pool's size."""
     from kvtier.bench.fit import check_fits
-    from kvtier.bench.profile import measure_profile
+    from kvtier.bench.profile import PROFILE_TOKENS, measure_profile
     from kvtier.cache.setup import build_engine
     from kvtier.engine.config import EngineConfig
 
     engine = build_engine(EngineConfig(**base))
     try:
         check_fits(engine, requests, max_output_tokens)
+        pool = engine.kv_pool
+        blocks = -(-PROFILE_TOKENS // pool.block_size)
+        if pool.num_blocks >= blocks:
+            return measure_profile(engine)
+        needed = blocks * pool.bytes_per_block
+    finally:
+        engine.close()
+    engine = build_engine(EngineConfig(**{**base, "kv_cache_bytes": needed}))
+    try:
         return measure_profile(engine)
     finally:
         engine.close()

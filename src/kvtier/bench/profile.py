@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from kvtier.errors import KvtierError
 from kvtier.policy.cost_model import CostProfile
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 # both runs of the shortest prefill passed for a fixed cost and drove the per-token cost to 0
 POINTS = ((128, 0), (256, 0), (512, 0), (256, 1536))
 REPEATS = 3
+# the most KV one point holds at once (its cached prefix and its new tokens, one more block
+# for the generated token): the pool `measure_profile` needs
+PROFILE_TOKENS = max(tokens + cached for tokens, cached in POINTS) + 16
 _LOW_TOKEN = 256  # synthetic prompts avoid the special tokens at the start of the vocabulary
 
 
@@ -47,8 +51,10 @@ def measure_profile(engine: Engine) -> CostProfile:
         for repeat in range(REPEATS):
             prompt = prefix + _tokens(index, repeat + 1, tokens)
             started = time.perf_counter()
-            engine.generate([prompt], one)
+            (out,) = engine.generate([prompt], one)
             best = min(best, time.perf_counter() - started)
+            if out.error is not None:  # a refused prefill would time as free
+                raise KvtierError(f"measuring the prefill cost: {out.error}")
         samples.append((tokens, cached, best))
     engine.reset_prefix_cache()
     return CostProfile.from_measurements(samples)

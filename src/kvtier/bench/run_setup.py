@@ -17,6 +17,8 @@ SETTINGS_TABLES = ("tiers", "scheduling", "policy", "compression")
 DEFAULT_KV_BYTES = "64MiB"
 # --quick: the demo's two ~4.3K-token histories do not both fit (5.1K tokens of SmolLM2)
 QUICK_KV_BYTES = "112MiB"
+# Both sizes are bfloat16 KV: a float32 engine (`--dtype auto` on a CPU without bf16 dot
+# products) gets twice the bytes, so its pool holds the same tokens and the runs contend alike.
 # the bench's running set: a handful of sessions, so the pool, not the batch, is contended
 BENCH_MAX_NUM_SEQS = 8
 
@@ -39,14 +41,16 @@ class RunSettings:
 def run_settings(args: argparse.Namespace, *, engine_tiers: bool = True) -> RunSettings:
     """`engine_tiers` False: the replay runs against a server, whose tiers are its own, so
     the [tiers] table is merged but no tier is built (no key file read or created)."""
-    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.config import EngineConfig, resolve_dtype
     from kvtier.settings.flags import from_args
     from kvtier.units import parse_size
 
     settings = from_args(args, SETTINGS_TABLES, engine_tiers=engine_tiers)
     defaults = EngineConfig()
+    dtype = resolve_dtype(args.dtype, EngineConfig(device=args.device).resolved_device())
+    bf16_bytes = parse_size(QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES)
     scheduling = {
-        "kv_cache_bytes": parse_size(QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES),
+        "kv_cache_bytes": bf16_bytes * (2 if dtype == "float32" else 1),
         "max_num_seqs": BENCH_MAX_NUM_SEQS,
         "max_num_batched_tokens": defaults.max_num_batched_tokens,
         "session_resume_after_s": defaults.session_resume_after_s,
@@ -97,11 +101,13 @@ def compression(
     choice = None
     if section.is_auto:
         from kvtier.bench.auto_compression import choose_for_workload
+        from kvtier.engine.config import EngineConfig, resolve_dtype
         from kvtier.models import resolve_model_dir
         from kvtier.plan.geometry import load_geometry
 
         geometry = load_geometry(str(resolve_model_dir(args.model)))
-        kv_dtype = "fp32" if args.dtype == "float32" else "bf16"
+        device = EngineConfig(device=args.device).resolved_device()
+        kv_dtype = "fp32" if resolve_dtype(args.dtype, device) == "float32" else "bf16"
         choice = choose_for_workload(
             workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=run.resume_after_s
         )

@@ -12,9 +12,15 @@ from kvtier.setting_doc import setting
 
 if TYPE_CHECKING:
     from kvtier.compress.config import CompressionConfig
+    from kvtier.host_cpu import HostCpu
 
 Priority = Literal["decode_first", "prefill_first"]
-DType = Literal["bfloat16", "float32"]
+DType = Literal["auto", "bfloat16", "float32"]
+DTYPES = ("auto", "bfloat16", "float32")
+DTYPE_HELP = (
+    "auto (default: bfloat16 on CUDA and on a CPU with AVX512_BF16 or AMX, float32 elsewhere), "
+    "bfloat16 or float32"
+)
 KVQuant = Literal["int8", "int4", "int2"]
 
 _GIB = 1 << 30
@@ -32,7 +38,9 @@ class EngineConfig:
     """
 
     model_dir: str | Path | None = None  # None: the embedded SmolLM2
-    dtype: DType = "bfloat16"
+    # "auto": bfloat16 where the hardware multiplies it natively (CUDA; a CPU with AVX512_BF16
+    # or AMX), float32 elsewhere; see `resolved_dtype`. The engine runs on the resolved one.
+    dtype: DType = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = setting(
         16, help="tokens per KV block, the unit of the prefix cache", kind="int"
@@ -115,8 +123,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise KvtierError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise KvtierError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise KvtierError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.priority not in ("decode_first", "prefill_first"):
@@ -154,8 +162,31 @@ class EngineConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_dtype(self, device: str) -> Literal["bfloat16", "float32"]:
+        """The dtype the engine runs on `device` (`resolved_device()`)."""
+        return resolve_dtype(self.dtype, device)
+
     def resolved_num_threads(self) -> int:
         return self.num_threads or os.cpu_count() or 1
+
+
+def resolve_dtype(
+    dtype: str, device: str, cpu: HostCpu | None = None
+) -> Literal["bfloat16", "float32"]:
+    """`dtype` with "auto" decided for `device`: bfloat16 on CUDA and on a CPU with bf16 dot
+    products (AVX512_BF16 or AMX), float32 on any other CPU. Without them torch emulates bf16
+    matmuls: a SmolLM2 prefill of 512 tokens took 7.6 s in bfloat16 against 1.5 s in float32
+    on an AVX2-only AMD EPYC. float32 KV takes twice the bytes a token, so the same
+    `kv_cache_bytes` holds half the tokens."""
+    if dtype == "bfloat16" or dtype == "float32":
+        return dtype
+    if dtype != "auto":
+        raise KvtierError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
+    if device.startswith("cuda"):
+        return "bfloat16"
+    from kvtier.host_cpu import host_cpu
+
+    return "bfloat16" if (cpu or host_cpu()).native_bf16 else "float32"
 
 
 def _require_positive_int(name: str, value: object) -> None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,10 @@ class Engine:
         clock: Clock | None = None,
         connector: KVConnector | None = None,
     ) -> None:
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.device = config.resolved_device()
+        # from here on config.dtype is what runs ("auto" decided), for the namespace and logs
+        self.config = config = replace(config, dtype=config.resolved_dtype(self.device))
         torch.set_num_threads(config.resolved_num_threads())
         model_dir = resolve_model_dir(str(config.model_dir) if config.model_dir else None)
         self.model_dir = model_dir

@@ -21,6 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
+from kvtier.engine.config import DTYPE_HELP, DTYPES
 from kvtier.errors import KvtierError
 from kvtier.workload.flags import add_hidden_alias
 
@@ -78,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="task generator seed (default 0)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"({DEFAULT_OUT})")
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     threads = parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     add_hidden_alias(parser, threads, "--num-threads")
     parser.add_argument(
@@ -121,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.eval.tasks import generate_samples
 
     config = RunnerConfig(
-        model=args.model, num_threads=args.threads, max_batch_tokens=args.max_batch_tokens
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_batch_tokens=args.max_batch_tokens,
     )
     engine = make_engine(config)
     too_long = [n for n in lengths if n > engine.max_model_len]
@@ -131,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         )
     samples = generate_samples(engine.tokenizer, tasks, lengths, num_samples, args.seed)
     model_dir, threads = str(engine.model_dir), engine.config.resolved_num_threads()
+    dtype = engine.config.dtype  # "auto" decided
     out = Path(args.out)
     write_jsonl(samples, out / "samples.jsonl")
     print(f"{len(samples)} samples x {len(runs)} method runs: {', '.join(r.label for r in runs)}")
@@ -153,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "runs": [r.spec for r in runs],
         "model": model_dir,
+        "dtype": dtype,
         "threads": threads,
         "wall_s": round(time.perf_counter() - started, 1),
     }
@@ -210,7 +217,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
 
     from kvtier.eval.runner import RunnerConfig, make_engine
 
-    engine = make_engine(RunnerConfig(model=args.model, num_threads=args.threads))
+    engine = make_engine(RunnerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
     started = time.perf_counter()
     runs = []
     for token_ids in texts.values():
@@ -222,6 +229,7 @@ def _run_perplexity(args: argparse.Namespace) -> int:
         "budgets": budgets,
         "num_sinks": perplexity.NUM_SINKS,
         "model": str(engine.model_dir),
+        "dtype": engine.config.dtype,
         "threads": engine.config.resolved_num_threads(),
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -62,7 +62,7 @@ class EvalRun:
 @dataclass
 class RunnerConfig:
     model: str | None = None  # None: the embedded SmolLM2
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # EngineConfig.dtype
     num_threads: int | None = None
     kv_cache_bytes: int = _GIB
     max_batch_tokens: int = 16384  # prompt tokens in flight together

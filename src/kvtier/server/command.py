@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvtier.engine.config import DTYPE_HELP, DTYPES
 from kvtier.errors import KvtierError
 from kvtier.workload.flags import add_hidden_alias
 
@@ -49,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model id clients send ([server] model_name)"
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help=DTYPE_HELP,
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument(
         "--prefault-kv-pool",

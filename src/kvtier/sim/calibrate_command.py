@@ -22,6 +22,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvtier.engine.config import DTYPE_HELP
 from kvtier.errors import KvtierError
 from kvtier.workload.flags import add_hidden_alias
 
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("\n", 9)[9]
     parser.add_argument("--quick", action="store_true", help="fewer points and repeats (~1 min)")
     parser.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     threads = parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1)"
     )
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvtier.engine.config import EngineConfig
+    from kvtier.engine.config import DTYPES, EngineConfig, resolve_dtype
     from kvtier.engine.engine import Engine
     from kvtier.models import resolve_model_dir
     from kvtier.plan.geometry import load_geometry
@@ -91,20 +92,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else calibrated_path(args.name)
     started = time.perf_counter()
 
-    if args.dtype not in ("bfloat16", "float32"):
-        raise KvtierError(f"--dtype must be bfloat16 or float32, not {args.dtype!r}")
+    if args.dtype not in DTYPES:
+        raise KvtierError(f"--dtype must be auto, bfloat16 or float32, not {args.dtype!r}")
+    dtype = resolve_dtype(args.dtype, EngineConfig().resolved_device())
     model_dir = resolve_model_dir(args.model)
     geometry = load_geometry(str(model_dir))
-    token_bytes = int(geometry.bytes_per_token("bf16")) * (2 if args.dtype == "float32" else 1)
+    token_bytes = int(geometry.bytes_per_token("bf16")) * (2 if dtype == "float32" else 1)
     engine = Engine(
         EngineConfig(
             model_dir=args.model,
-            dtype=args.dtype,
+            dtype=dtype,
             num_threads=args.threads,
             **engine_settings(plan, token_bytes),
         )
     )
-    print(f"calibrating {model_dir.name} ({args.dtype}, {args.threads} thread(s)) on this machine")
+    print(f"calibrating {model_dir.name} ({dtype}, {args.threads} thread(s)) on this machine")
     block_bytes = engine.kv_pool.bytes_per_block
     _warm_up(engine)
     measurements = measure_engine(engine, plan, progress=lambda line: print("  " + line))
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         update={
             "description": (
                 f"{platform.node() or 'this machine'} ({_cpu_count()} cores), "
-                f"{geometry.name} {args.dtype} on {args.threads} thread(s), fitted by "
+                f"{geometry.name} {dtype} on {args.threads} thread(s), fitted by "
                 f"`{command}` on {when}"
             ),
             "sources": [
