@@ -41,13 +41,13 @@ class RunSettings:
 def run_settings(args: argparse.Namespace, *, engine_tiers: bool = True) -> RunSettings:
     """`engine_tiers` False: the replay runs against a server, whose tiers are its own, so
     the [tiers] table is merged but no tier is built (no key file read or created)."""
-    from kvtier.engine.config import EngineConfig, resolve_dtype
+    from kvtier.engine.config import EngineConfig
     from kvtier.settings.flags import from_args
     from kvtier.units import parse_size
 
     settings = from_args(args, SETTINGS_TABLES, engine_tiers=engine_tiers)
     defaults = EngineConfig()
-    dtype = resolve_dtype(args.dtype, EngineConfig(device=args.device).resolved_device())
+    dtype = EngineConfig(dtype=args.dtype, device=args.device).resolved_dtype()
     bf16_bytes = parse_size(QUICK_KV_BYTES if args.quick else DEFAULT_KV_BYTES)
     scheduling = {
         "kv_cache_bytes": bf16_bytes * (2 if dtype == "float32" else 1),
@@ -101,13 +101,13 @@ def compression(
     choice = None
     if section.is_auto:
         from kvtier.bench.auto_compression import choose_for_workload
-        from kvtier.engine.config import EngineConfig, resolve_dtype
+        from kvtier.engine.config import EngineConfig
         from kvtier.models import resolve_model_dir
         from kvtier.plan.geometry import load_geometry
 
         geometry = load_geometry(str(resolve_model_dir(args.model)))
-        device = EngineConfig(device=args.device).resolved_device()
-        kv_dtype = "fp32" if resolve_dtype(args.dtype, device) == "float32" else "bf16"
+        dtype = EngineConfig(dtype=args.dtype, device=args.device).resolved_dtype()
+        kv_dtype = "fp32" if dtype == "float32" else "bf16"
         choice = choose_for_workload(
             workload, geometry, kv_bytes, kv_dtype=kv_dtype, resume_after_s=run.resume_after_s
         )

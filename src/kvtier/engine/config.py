@@ -162,9 +162,9 @@ class EngineConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def resolved_dtype(self, device: str) -> Literal["bfloat16", "float32"]:
-        """The dtype the engine runs on `device` (`resolved_device()`)."""
-        return resolve_dtype(self.dtype, device)
+    def resolved_dtype(self) -> Literal["bfloat16", "float32"]:
+        """The dtype the engine runs, "auto" decided for `resolved_device()`."""
+        return resolve_dtype(self.dtype, self.resolved_device())
 
     def resolved_num_threads(self) -> int:
         return self.num_threads or os.cpu_count() or 1

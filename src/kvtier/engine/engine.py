@@ -67,7 +67,7 @@ class Engine:
         config = config or EngineConfig()
         self.device = config.resolved_device()
         # from here on config.dtype is what runs ("auto" decided), for the namespace and logs
-        self.config = config = replace(config, dtype=config.resolved_dtype(self.device))
+        self.config = config = replace(config, dtype=config.resolved_dtype())
         torch.set_num_threads(config.resolved_num_threads())
         model_dir = resolve_model_dir(str(config.model_dir) if config.model_dir else None)
         self.model_dir = model_dir

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kvtier.engine.config import DTYPES, EngineConfig, resolve_dtype
+    from kvtier.engine.config import DTYPES, EngineConfig
     from kvtier.engine.engine import Engine
     from kvtier.models import resolve_model_dir
     from kvtier.plan.geometry import load_geometry
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.dtype not in DTYPES:
         raise KvtierError(f"--dtype must be auto, bfloat16 or float32, not {args.dtype!r}")
-    dtype = resolve_dtype(args.dtype, EngineConfig().resolved_device())
+    dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
     model_dir = resolve_model_dir(args.model)
     geometry = load_geometry(str(model_dir))
     token_bytes = int(geometry.bytes_per_token("bf16")) * (2 if dtype == "float32" else 1)
