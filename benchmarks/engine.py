@@ -49,6 +49,7 @@ from vllm_cpu import (
 )
 
 from kvtier.engine import Engine, EngineConfig, SamplingParams
+from kvtier.engine.config import PREFILL_ATTENTIONS
 from kvtier.host_cpu import host_cpu
 from kvtier.models import resolve_model_dir
 
@@ -140,6 +141,19 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
+def build_engine(args: argparse.Namespace, threads: int) -> Engine:
+    engine = Engine(
+        EngineConfig(
+            dtype=args.dtype,
+            num_threads=threads,
+            paged_decode=args.paged_decode,
+            prefill_attention=args.prefill_attention,
+        )
+    )
+    print(f"kvtier: prefill attention by {engine.config.prefill_attention}", flush=True)
+    return engine
+
+
 def run(args: argparse.Namespace) -> dict:
     # Other processes on a 2-core machine wreck multi-threaded timings (a thread waiting
     # at an OpenMP barrier for a core loses whole scheduler slices): record how much CPU
@@ -147,9 +161,7 @@ def run(args: argparse.Namespace) -> dict:
     started, busy_before, own_before = time.perf_counter(), machine_busy_s(), _own_cpu_s()
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    engine = Engine(
-        EngineConfig(dtype=args.dtype, num_threads=threads, paged_decode=args.paged_decode)
-    )
+    engine = build_engine(args, threads)
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=engine.dtype)
@@ -201,9 +213,7 @@ def run_long(args: argparse.Namespace) -> dict:
     started, busy_before, own_before = time.perf_counter(), machine_busy_s(), _own_cpu_s()
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    engine = Engine(
-        EngineConfig(dtype=args.dtype, num_threads=threads, paged_decode=args.paged_decode)
-    )
+    engine = build_engine(args, threads)
     ours = KvtierBench(engine)
     ours.generate_s(make_prompt(LONG_DECODE_PROMPT_LEN, 999), 2, cold=True)  # warm-up
     kv = long_context(ours.generate_s, args.repeats)
@@ -255,6 +265,7 @@ def _context(
             "threads": threads,
             "dtype": args.dtype,
             "paged_decode": args.paged_decode,
+            "prefill_attention": engine.config.prefill_attention,  # what ran, "auto" decided
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
@@ -353,6 +364,13 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="EngineConfig.paged_decode (kvtier; default on, as the engine's)",
+    )
+    parser.add_argument(
+        "--prefill-attention",
+        choices=PREFILL_ATTENTIONS,
+        default="auto",
+        help="EngineConfig.prefill_attention (kvtier's bf16 prefill: its kernel or torch's "
+        "flash attention; default auto, as the engine's)",
     )
     parser.add_argument("--sequential-requests", type=int, default=2)
     parser.add_argument("--vllm-json", type=Path, default=None, help="vllm_cpu.py output")

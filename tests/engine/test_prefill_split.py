@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from kvtier.engine import prefill_attention
 from kvtier.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from kvtier.engine.kv_pool import KVPool
 
@@ -22,7 +23,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torc
     n, t = q.shape[0], keys.shape[1]
     k = keys.double().repeat_interleave(GROUP, 0)
     v = values.double().repeat_interleave(GROUP, 0)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * HEAD_DIM**-0.5  # [heads, n, T]
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5  # [heads, n, T]
     future = torch.arange(t)[None, :] > torch.arange(t - n, t)[:, None]
     weights = scores.masked_fill(future, float("-inf")).softmax(-1)
     return (weights @ v).transpose(0, 1)
@@ -55,12 +56,15 @@ def test_bf16_prefill_chunk_over_a_cached_past_matches_by_hand(past):
     torch.testing.assert_close(out.view(n, HEADS, HEAD_DIM).double(), want, atol=2e-2, rtol=2e-2)
 
 
-def prefill(pool: KVPool, q, keys, values, table: list[int], edges: list[int]) -> torch.Tensor:
+def prefill(
+    pool: KVPool, q, keys, values, table: list[int], edges: list[int], prefill_kernel=True
+) -> torch.Tensor:
     """Prefill positions [edges[0], edges[-1]) of one sequence in chunks cut at `edges`
     (positions before edges[0] already in the pool, as after a prefix hit), through
     `PagedAttention` on layer 1; the attention rows of those positions. q [T, heads, D],
-    keys/values [T, kv_heads, D] of the whole prompt."""
-    attention = PagedAttention(pool, HEADS, KV_HEADS, HEAD_DIM)
+    keys/values [T, kv_heads, D] of the whole prompt. `prefill_kernel`: the kernel of
+    engine/prefill_attention.py where it fits (bf16, head_dim 64) and runs; False: torch's."""
+    attention = PagedAttention(pool, HEADS, KV_HEADS, q.shape[-1], prefill_kernel=prefill_kernel)
     assert attention.splits_prefill
     rows = []
     for lo, hi in itertools.pairwise(edges):
@@ -75,35 +79,57 @@ def prefill(pool: KVPool, q, keys, values, table: list[int], edges: list[int]) -
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_position_gets_the_same_bits_however_its_chunk_starts(dtype):
+KERNEL_RUNS = prefill_attention.available()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "prefill_kernel"),
+    [
+        (torch.bfloat16, HEAD_DIM, True),  # no kernel for head_dim 8: torch's flash attention
+        (torch.float32, HEAD_DIM, True),
+        # SmolLM2's head_dim, by each prefill attention (`EngineConfig.prefill_attention`);
+        # torch's uses the AMX tiles on a CPU that has them
+        (torch.bfloat16, prefill_attention.DIM, False),
+        pytest.param(
+            torch.bfloat16,
+            prefill_attention.DIM,
+            True,
+            marks=pytest.mark.skipif(not KERNEL_RUNS, reason="needs AVX512_BF16 and g++"),
+        ),
+    ],
+    ids=["bf16", "float32", "bf16-dim64-torch", "bf16-dim64-kernel"],
+)
+def test_a_position_gets_the_same_bits_however_its_chunk_starts(dtype, head_dim, prefill_kernel):
     """The split is cut at fixed 512-position stretches from position 0, not at chunk
     edges: a position's attention row is bitwise what the prompt prefilled in 512-token
     chunks gives whenever its chunk ends where that one does (the chunk after a prefix hit,
     one chunk over the whole prompt, a chunk starting mid-stretch)."""
     total = 1100
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    keys, values = torch.randn(2, total, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(total, HEADS, head_dim, generator=gen).to(dtype)
+    keys, values = torch.randn(2, total, KV_HEADS, head_dim, generator=gen).to(dtype)
     table = torch.randperm(400, generator=gen)[: -(-total // BLOCK)].tolist()
 
     def pool() -> KVPool:
-        return KVPool(LAYERS, KV_HEADS, HEAD_DIM, BLOCK, dtype, "cpu", 1 << 22)
+        return KVPool(LAYERS, KV_HEADS, head_dim, BLOCK, dtype, "cpu", 1 << 24)
+
+    def run(pool: KVPool, edges: list[int]) -> torch.Tensor:
+        return prefill(pool, q, keys, values, table, edges, prefill_kernel)
 
     reference_pool = pool()
-    want = prefill(reference_pool, q, keys, values, table, [0, 512, 1024, total])
-    assert torch.equal(prefill(pool(), q, keys, values, table, [0, total]), want)
-    assert torch.equal(prefill(pool(), q, keys, values, table, [0, 512, total]), want)
+    want = run(reference_pool, [0, 512, 1024, total])
+    assert torch.equal(run(pool(), [0, total]), want)
+    assert torch.equal(run(pool(), [0, 512, total]), want)
     # Rows from 700 on: their chunk ends where the reference's does.
-    got = prefill(pool(), q, keys, values, table, [0, 700, 1024, total])
+    got = run(pool(), [0, 700, 1024, total])
     assert torch.equal(got[700:], want[700:])
     # After a prefix hit at 1040 (a block edge inside the third stretch), the pool holding
     # the reference's K/V: the recomputed tail is the same bits.
-    tail = prefill(reference_pool, q, keys, values, table, [1040, total])
+    tail = run(reference_pool, [1040, total])
     assert torch.equal(tail, want[1040:])
     # What the split computes is attention: close to float64 by hand.
     by_hand = reference(q[1040:], keys.transpose(0, 1), values.transpose(0, 1))
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(
-        tail.view(-1, HEADS, HEAD_DIM).double(), by_hand, atol=tolerance, rtol=tolerance
+        tail.view(-1, HEADS, head_dim).double(), by_hand, atol=tolerance, rtol=tolerance
     )

@@ -449,6 +449,15 @@ def test_serve_on_a_taken_port_is_one_line():
     ]
 
 
+def test_serve_refuses_the_prefill_kernel_where_it_cannot_run():
+    """Asked by name, not by "auto": one line with the reason, before the weights load."""
+    done = serve("--port", "0", "--dtype", "float32", "--prefill-attention", "kernel")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "kvtier: error: prefill_attention 'kernel' is not available here: it needs dtype bfloat16"
+    ]
+
+
 # ----- 7. the model's names -------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ without tiers, where it recomputes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def test_host_tier_restores_a_session_pushed_off_the_device(tmp_path: Path, refe
     check_restored(turns, reference, "host")
     # dtype auto: what this host multiplies natively, and the pool sized for it in blocks
     assert f"{AUTO_DTYPE} on " in server.output
+    assert re.search(r" on cpu, prefill attention by (kernel|torch)\n", server.output)
     assert "device KV pool: 16 blocks x 16 tokens" in server.output
     assert "tiers: host 67.1 MB" in server.output
     assert "policy: cost" in server.output

@@ -9,7 +9,8 @@ from position 0, two flash-attention calls merged by their log-sum-exp: its quer
 the keys before the stretch (all visible: no mask at all) and against the stretch's keys (a
 square, so plain `is_causal` skips the future half); see `_prefill_split` (bf16 with
 head_dim 64 on an AVX512_BF16 CPU: both calls by the kernel of engine/prefill_attention.py
-instead of torch's flash attention). Elsewhere, or
+instead of torch's flash attention, unless `EngineConfig.prefill_attention` settles on torch's,
+as "auto" does on a CPU with AMX tiles). Elsewhere, or
 when an observer must see the chunk's keys, the chunk is split along the query axis with
 additive causal masks, so that query rows never multiply against keys that lie in their
 future (a causal mask alone still pays for those products).
@@ -30,14 +31,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from kvtier.engine import prefill_attention
+from kvtier.engine.config import resolve_prefill_attention
 from kvtier.engine.hooks import AttentionObserver
 from kvtier.engine.kv_pool import KVPool, SlotPlan
 from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
+from kvtier.errors import KvtierError
 
 # Where `PagedAttention._prefill_split` cuts a prompt's positions, counted from position 0:
 # the scheduler's default chunk (`EngineConfig.max_num_batched_tokens`), so that a prompt
@@ -133,6 +137,7 @@ class PagedAttention:
         head_dim: int,
         paged_decode: bool = False,
         deterministic: bool = False,
+        prefill_kernel: bool = True,
     ) -> None:
         self.pool = pool
         self.num_heads = num_heads
@@ -146,26 +151,22 @@ class PagedAttention:
         self.paged_decode = paged_decode and self._kernel_applies()
         # EngineConfig.deterministic: the engine checked `deterministic_unavailable` first
         self.deterministic = deterministic
+        # `settle_prefill_attention(...) == "kernel"`: bf16 prefill chunks by the kernel of
+        # engine/prefill_attention.py; False: by torch's flash attention (`_flash`)
+        self.prefill_kernel = prefill_kernel
 
     def deterministic_unavailable(self) -> str | None:
-        """Why deterministic mode cannot serve this pool here (None: it can). Its kernel
-        reads bf16 pairs with AVX512_BF16 dot products, head_dim 64, from a plain `KVPool`
-        on the CPU whose blocks hold whole groups of 16 keys."""
+        """Why deterministic mode cannot serve this pool here (None: it can). Its kernel is
+        the prefill kernel's (`prefill_kernel_unavailable`), here reading a plain `KVPool` whose
+        blocks hold whole groups of 16 keys."""
         pool = self.pool
-        if pool.device.type != "cpu":
-            return "it runs on the CPU only"
-        if type(pool) is not KVPool:
+        if pool.device.type == "cpu" and type(pool) is not KVPool:
             return "it needs a full-precision KV pool (no kv_quant)"
-        if pool.dtype != torch.bfloat16:
-            return "it needs dtype bfloat16"
-        if self.head_dim != prefill_attention.DIM or pool.block_size % 16:
+        if pool.block_size % 16:
             return (
-                f"its kernel takes head_dim {prefill_attention.DIM} and blocks of a multiple of "
-                f"16 tokens (this model: head_dim {self.head_dim}, block_size {pool.block_size})"
+                f"its kernel reads blocks of a multiple of 16 tokens (block_size {pool.block_size})"
             )
-        if not prefill_attention.available():
-            return "its kernel needs a CPU with AVX512_BF16 and a C++ compiler (g++ or $CXX)"
-        return None
+        return prefill_kernel_unavailable(pool, self.head_dim)
 
     @property
     def needs_weights(self) -> bool:
@@ -296,9 +297,11 @@ class PagedAttention:
 
         bf16 with head_dim 64 on a CPU with AVX512_BF16 takes the kernel of
         engine/prefill_attention.py for both calls instead of `_flash` (which runs bf16 at
-        float32 speed): ~2x faster on them (benchmarks/prefill_attention.py), float32 partial
-        outputs, and each row's bits independent of the rows beside it, so it needs no zero
-        queries in front (the stretch's earlier keys still come from the pool).
+        float32 speed there, without AMX tiles): ~2x faster on them
+        (benchmarks/prefill_attention.py), float32 partial outputs, and each row's bits
+        independent of the rows beside it, so it needs no zero queries in front (the
+        stretch's earlier keys still come from the pool). `prefill_kernel` False keeps
+        `_flash` (on a CPU with AMX, torch packs K/V for its tiles).
         """
         n = q.shape[0]
         start = span.past_len  # position of the chunk's first row
@@ -312,7 +315,7 @@ class PagedAttention:
             table = span.block_table[:, : -(-from_pool // self.pool.block_size)]
             key, value = self.pool.gather(layer, table, meta.slot_index)
         out = torch.empty_like(q)
-        kernel = prefill_attention.fits(q) and prefill_attention.available()
+        kernel = self.prefill_kernel and prefill_attention.fits(q) and prefill_attention.available()
         for lo, hi in itertools.pairwise(edges):
             a = lo // SPLIT_ALIGN * SPLIT_ALIGN
             rows = slice(lo - start, hi - start)
@@ -396,6 +399,39 @@ class PagedAttention:
                 )
         o = o.view(b, self.num_kv_heads, self.group, length, self.head_dim)
         return o.permute(0, 3, 1, 2, 4).reshape(b, length, self.num_heads, self.head_dim)
+
+
+def prefill_kernel_unavailable(pool: KVPool | QuantizedKVPool, head_dim: int) -> str | None:
+    """Why the kernel of engine/prefill_attention.py cannot compute this pool's prefill
+    attention here (None: it can): it reads bf16 pairs with AVX512_BF16 dot products, head_dim
+    64, on the CPU."""
+    if pool.device.type != "cpu":
+        return "it runs on the CPU only"
+    if pool.dtype != torch.bfloat16:
+        return "it needs dtype bfloat16"
+    if head_dim != prefill_attention.DIM:
+        return f"it takes head_dim {prefill_attention.DIM} (this model: {head_dim})"
+    if not prefill_attention.available():
+        return "it needs a CPU with AVX512_BF16 and a C++ compiler (g++ or $CXX)"
+    return None
+
+
+def settle_prefill_attention(
+    choice: str, pool: KVPool | QuantizedKVPool, head_dim: int
+) -> Literal["kernel", "torch"]:
+    """What computes this pool's bf16 prefill attention: `EngineConfig.prefill_attention`
+    ("auto" decided for the CPU by `resolve_prefill_attention`) where it can run. The kernel
+    asked by name where it cannot is refused with the reason; asked by "auto", torch's runs
+    instead (every pool that is not bf16 on an AVX512_BF16 CPU). Settled once, at engine
+    start: the two round differently in the last bits, and no request may switch midway."""
+    if resolve_prefill_attention(choice) == "torch":
+        return "torch"
+    why = prefill_kernel_unavailable(pool, head_dim)
+    if why is None:
+        return "kernel"
+    if choice == "kernel":
+        raise KvtierError(f"prefill_attention 'kernel' is not available here: {why}")
+    return "torch"
 
 
 def _flash(

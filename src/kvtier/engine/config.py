@@ -22,6 +22,8 @@ DTYPE_HELP = (
     "bfloat16 or float32"
 )
 KVQuant = Literal["int8", "int4", "int2"]
+PrefillAttention = Literal["auto", "kernel", "torch"]
+PREFILL_ATTENTIONS = ("auto", "kernel", "torch")
 
 _GIB = 1 << 30
 
@@ -113,6 +115,20 @@ class EngineConfig:
     # restore tests hold with it on (benchmarks/records/2026-12-02-paged-decode-kernel.md).
     # Without a C++ compiler the engine logs it and keeps the gather; False keeps it too.
     paged_decode: bool = True
+    # Who computes a bf16 prefill chunk's attention on the CPU (engine/attention.py
+    # `_prefill_split`): kvtier's kernel (engine/prefill_attention.py: AVX512_BF16 dot
+    # products, twice torch's flash attention on a CPU without AMX) or torch's flash
+    # attention, which on a CPU with AMX packs K and V and runs both products on the AMX tiles
+    # (oneDNN's brgemm); see `resolve_prefill_attention`. The engine keeps what runs.
+    prefill_attention: PrefillAttention = setting(
+        "auto",
+        help="bf16 prefill attention on CPU: kernel (kvtier's, AVX512_BF16 dot products), "
+        "torch (torch's flash attention, on AMX tiles where the CPU has them) or auto (torch "
+        "on a CPU with AMX, the kernel where it runs elsewhere)",
+        kind="string",
+        choices=PREFILL_ATTENTIONS,
+        flag=True,
+    )
     deterministic: bool = setting(
         False,
         help="every row's attention by one kernel whatever its batch, chunk or history: a "
@@ -125,6 +141,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise KvtierError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.prefill_attention not in PREFILL_ATTENTIONS:
+            raise KvtierError(
+                "prefill_attention must be 'auto', 'kernel' or 'torch', "
+                f"got {self.prefill_attention!r}"
+            )
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise KvtierError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.priority not in ("decode_first", "prefill_first"):
@@ -187,6 +208,23 @@ def resolve_dtype(
     from kvtier.host_cpu import host_cpu
 
     return "bfloat16" if (cpu or host_cpu()).native_bf16 else "float32"
+
+
+def resolve_prefill_attention(
+    choice: str, cpu: HostCpu | None = None
+) -> Literal["kernel", "torch"]:
+    """`choice` with "auto" decided for this host's CPU: torch's flash attention on a CPU with
+    AMX, whose tiles it uses and kvtier's kernel does not (there transformers' `generate`,
+    torch's attention, prefilled 2K tokens 1.6x as fast as the engine with the kernel), the
+    kernel on any other CPU (where it cannot run, bf16 on AVX512_BF16 with a compiler, the
+    engine falls back to torch's)."""
+    if choice == "kernel" or choice == "torch":
+        return choice
+    if choice != "auto":
+        raise KvtierError(f"prefill_attention must be 'auto', 'kernel' or 'torch', got {choice!r}")
+    from kvtier.host_cpu import host_cpu
+
+    return "torch" if (cpu or host_cpu()).amx else "kernel"
 
 
 def _require_positive_int(name: str, value: object) -> None:

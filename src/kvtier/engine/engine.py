@@ -24,7 +24,7 @@ import torch
 
 from kvtier.clock import Clock
 from kvtier.compress.config import CompressionConfig
-from kvtier.engine.attention import PagedAttention
+from kvtier.engine.attention import PagedAttention, settle_prefill_attention
 from kvtier.engine.block_pool import BlockPool
 from kvtier.engine.compressor import Compressor
 from kvtier.engine.config import EngineConfig
@@ -95,6 +95,9 @@ class Engine:
                     value_group=config.kv_quant_group,
                     staging_blocks=config.max_num_seqs,
                 )
+            # what runs, kept in the config as the dtype is (the startup line names it)
+            prefill = settle_prefill_attention(config.prefill_attention, self.kv_pool, mc.head_dim)
+            self.config = config = replace(config, prefill_attention=prefill)
             attention = PagedAttention(
                 self.kv_pool,
                 mc.num_heads,
@@ -102,6 +105,7 @@ class Engine:
                 mc.head_dim,
                 config.paged_decode,
                 config.deterministic,
+                prefill_kernel=prefill == "kernel",
             )
             if config.deterministic and (why := attention.deterministic_unavailable()):
                 raise KvtierError(f"deterministic mode is not available here: {why}")

@@ -17,7 +17,7 @@ def startup_summary(engine: Engine, config: ServerConfig, address: str) -> str:
     lines = [
         f"kvtier serve: model {config.model_name} ({engine.model_dir}), "
         f"{engine.config.dtype}{' (deterministic)' if engine.config.deterministic else ''} "
-        f"on {engine.device}",
+        f"on {engine.device}, prefill attention by {engine.config.prefill_attention}",
         f"  device KV pool: {pool.num_blocks} blocks x {engine.config.block_size} tokens = "
         f"{format_bytes(pool.num_blocks * block_bytes)}",
         f"  tiers: {tier_line(engine)}",

@@ -138,8 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_table_arguments(
         parser,
         "scheduling",
-        # --device-kv-bytes; the model's context; rounding, which a simulator does not model
-        skip=("kv_cache_bytes", "max_model_len", "deterministic"),
+        # --device-kv-bytes; the model's context; rounding and kernels, which a simulator
+        # does not model
+        skip=("kv_cache_bytes", "max_model_len", "deterministic", "prefill_attention"),
         defaults={
             "max_num_seqs": str(DEFAULTS["max_num_seqs"]),
             "max_num_batched_tokens": str(DEFAULTS["max_num_batched_tokens"]),
