@@ -9,6 +9,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.host_cpu import host_cpu
+from tests.host_dtype import AUTO_DTYPE
 
 
 @pytest.fixture(autouse=True)
@@ -84,6 +85,11 @@ def test_tiny_run_writes_results_and_report(capsys, tmp_path):
     # the CPU the timings come from, as this host's /proc/cpuinfo names it
     assert document["host"]["cpu"] == host_cpu().as_dict()
     assert f"host: {host_cpu().describe()}" in printed
+    # what its engines ran, "auto" decided here
+    engine = document["host"]["engine"]
+    assert engine["dtype"] == AUTO_DTYPE
+    assert engine["prefill_attention"] in ("kernel", "torch")
+    assert f"engine {AUTO_DTYPE}, prefill attention by {engine['prefill_attention']}" in printed
     workload = document["config"]["workload"]
     assert workload["sessions"] == 2 and workload["length_scale"] == 1.0
     assert document["config"]["runs"]["retain"]["idle_skipped_s"] > 1000

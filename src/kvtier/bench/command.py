@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     tiers = settings.tiers
     pipeline, compression_note = compression(args, setup, workload)
     base["compression"] = pipeline
-    profile = engines.check_and_measure(base, requests, args.max_output_tokens)
+    measured = engines.check_and_measure(base, requests, args.max_output_tokens)
+    profile = measured.profile
     if tiers is not None:  # the policies and the restore planner price this engine's prefills
         tiers = dataclasses.replace(tiers, cost_profile=profile)
     results = [_run_policy(args, name, base, tiers, policy_config, requests) for name in names]
@@ -207,13 +208,17 @@ def run(args: argparse.Namespace) -> int:
     document = to_document("bench", config, runs)
     document["command"] = command_line()
     cpu = host_cpu()  # the engine ran here: its timings are this CPU's
-    document["host"] = {"cpu": cpu.as_dict()}
+    engine = {"dtype": measured.dtype, "prefill_attention": measured.prefill_attention}
+    document["host"] = {"cpu": cpu.as_dict(), "engine": engine}
     out = Path(args.out)
     written = write_results(out, document, runs)
     if not args.no_plots:
         written += write_html(out, document, runs)
     print(markdown(document))
-    print(f"host: {cpu.describe()}")
+    print(
+        f"host: {cpu.describe()}; engine {measured.dtype}, "
+        f"prefill attention by {measured.prefill_attention}"
+    )
     for r in results:
         print(
             f"{r.run.policy}: {r.wall_s:.1f} s wall for {r.trace_s:,.0f} s of trace "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import KvtierError
@@ -49,9 +50,17 @@ def build(
     return build_engine(EngineConfig(**base), cache, clock)
 
 
+@dataclass(frozen=True)
+class Measured:
+    profile: CostProfile
+    # what the run's engines run, "auto" decided on this host (the results' `host.engine`)
+    dtype: str
+    prefill_attention: str
+
+
 def check_and_measure(
     base: Mapping[str, Any], requests: Sequence[Request], max_output_tokens: int | None
-) -> CostProfile:
+) -> Measured:
     """On an engine of the run's settings without tiers: check that every request fits
     (`fit.py`, before any policy runs), then measure what its prefills cost (`profile.py`).
     A pool too small for the measuring prefills is measured on an engine like it with a pool
@@ -62,17 +71,18 @@ def check_and_measure(
     from kvtier.engine.config import EngineConfig
 
     engine = build_engine(EngineConfig(**base))
+    ran = engine.config
     try:
         check_fits(engine, requests, max_output_tokens)
         pool = engine.kv_pool
         blocks = -(-PROFILE_TOKENS // pool.block_size)
         if pool.num_blocks >= blocks:
-            return measure_profile(engine)
+            return Measured(measure_profile(engine), ran.dtype, ran.prefill_attention)
         needed = blocks * pool.bytes_per_block
     finally:
         engine.close()
     engine = build_engine(EngineConfig(**{**base, "kv_cache_bytes": needed}))
     try:
-        return measure_profile(engine)
+        return Measured(measure_profile(engine), ran.dtype, ran.prefill_attention)
     finally:
         engine.close()
