@@ -45,3 +45,16 @@ def test_the_kernel_by_name_where_it_cannot_run_is_refused_with_the_reason():
         match="prefill_attention 'kernel' is not available here: it needs dtype bfloat16",
     ):
         Engine(EngineConfig(kv_cache_bytes=POOL, dtype="float32", prefill_attention="kernel"))
+
+
+def test_deterministic_mode_refuses_torch_by_name():
+    """Its kernel computes every row, prefill chunks too."""
+    config = EngineConfig(kv_cache_bytes=POOL, deterministic=True, prefill_attention="torch")
+    with pytest.raises(KvtierError, match="'torch' does not combine with deterministic mode"):
+        Engine(config)
+
+
+@pytest.mark.skipif(not kernel.available(), reason="deterministic mode needs AVX512_BF16 and g++")
+def test_deterministic_mode_names_its_kernel_whatever_auto_would_pick():
+    engine = Engine(EngineConfig(kv_cache_bytes=POOL, dtype="bfloat16", deterministic=True))
+    assert engine.config.prefill_attention == "kernel"

@@ -417,13 +417,22 @@ def prefill_kernel_unavailable(pool: KVPool | QuantizedKVPool, head_dim: int) ->
 
 
 def settle_prefill_attention(
-    choice: str, pool: KVPool | QuantizedKVPool, head_dim: int
+    choice: str, pool: KVPool | QuantizedKVPool, head_dim: int, deterministic: bool = False
 ) -> Literal["kernel", "torch"]:
     """What computes this pool's bf16 prefill attention: `EngineConfig.prefill_attention`
     ("auto" decided for the CPU by `resolve_prefill_attention`) where it can run. The kernel
     asked by name where it cannot is refused with the reason; asked by "auto", torch's runs
     instead (every pool that is not bf16 on an AVX512_BF16 CPU). Settled once, at engine
-    start: the two round differently in the last bits, and no request may switch midway."""
+    start: the two round differently in the last bits, and no request may switch midway.
+    Deterministic mode computes every row by its own kernel (`deterministic_unavailable`
+    says where it cannot): "kernel" then, and "torch" asked by name is refused."""
+    if deterministic:
+        if choice == "torch":
+            raise KvtierError(
+                "prefill_attention 'torch' does not combine with deterministic mode, whose "
+                "kernel computes every row"
+            )
+        return "kernel"
     if resolve_prefill_attention(choice) == "torch":
         return "torch"
     why = prefill_kernel_unavailable(pool, head_dim)

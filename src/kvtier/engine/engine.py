@@ -96,7 +96,9 @@ class Engine:
                     staging_blocks=config.max_num_seqs,
                 )
             # what runs, kept in the config as the dtype is (the startup line names it)
-            prefill = settle_prefill_attention(config.prefill_attention, self.kv_pool, mc.head_dim)
+            prefill = settle_prefill_attention(
+                config.prefill_attention, self.kv_pool, mc.head_dim, config.deterministic
+            )
             self.config = config = replace(config, prefill_attention=prefill)
             attention = PagedAttention(
                 self.kv_pool,
