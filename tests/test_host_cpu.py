@@ -7,7 +7,7 @@ import pytest
 
 from kvtier.engine.config import EngineConfig, resolve_dtype, resolve_prefill_attention
 from kvtier.errors import KvtierError
-from kvtier.host_cpu import host_cpu
+from kvtier.host_cpu import HostCpu, host_cpu
 
 AMX_XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -62,11 +62,17 @@ flags\t\t: fpu sse2 fma avx avx2
 """
 
 
-def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path):
-    cpus = {}
+@pytest.fixture
+def cpus(tmp_path) -> dict[str, HostCpu]:
+    """Three hosts as their /proc/cpuinfo reads, by the features `auto` decides on."""
+    read = {}
     for name, text in (("amx", AMX_XEON), ("avx512_bf16", EPYC), ("avx2", AVX2_EPYC)):
         (tmp_path / name).write_text(text)
-        cpus[name] = host_cpu(tmp_path / name)
+        read[name] = host_cpu(tmp_path / name)
+    return read
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path, cpus):
     assert resolve_dtype("auto", "cpu", cpus["amx"]) == "bfloat16"
     assert resolve_dtype("auto", "cpu", cpus["avx512_bf16"]) == "bfloat16"
     assert resolve_dtype("auto", "cpu", cpus["avx2"]) == "float32"
@@ -83,12 +89,8 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path):
     assert EngineConfig().dtype == "auto"
 
 
-def test_prefill_attention_auto_is_torch_only_on_a_cpu_with_amx(tmp_path):
+def test_prefill_attention_auto_is_torch_only_on_a_cpu_with_amx(tmp_path, cpus):
     """torch's flash attention runs its products on the AMX tiles; kvtier's kernel does not."""
-    cpus = {}
-    for name, text in (("amx", AMX_XEON), ("avx512_bf16", EPYC), ("avx2", AVX2_EPYC)):
-        (tmp_path / name).write_text(text)
-        cpus[name] = host_cpu(tmp_path / name)
     assert resolve_prefill_attention("auto", cpus["amx"]) == "torch"
     assert resolve_prefill_attention("auto", cpus["avx512_bf16"]) == "kernel"
     # the kernel cannot run there, so the engine settles on torch's (test_prefill_choice.py)

@@ -139,19 +139,11 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise KvtierError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
-        if self.prefill_attention not in PREFILL_ATTENTIONS:
-            raise KvtierError(
-                "prefill_attention must be 'auto', 'kernel' or 'torch', "
-                f"got {self.prefill_attention!r}"
-            )
+        _require_one_of("dtype", self.dtype, DTYPES)
+        _require_one_of("prefill_attention", self.prefill_attention, PREFILL_ATTENTIONS)
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise KvtierError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.priority not in ("decode_first", "prefill_first"):
-            raise KvtierError(
-                f"priority must be 'decode_first' or 'prefill_first', got {self.priority!r}"
-            )
+        _require_one_of("priority", self.priority, ("decode_first", "prefill_first"))
         for name in (
             "block_size",
             "kv_cache_bytes",
@@ -201,8 +193,7 @@ def resolve_dtype(
     `kv_cache_bytes` holds half the tokens."""
     if dtype == "bfloat16" or dtype == "float32":
         return dtype
-    if dtype != "auto":
-        raise KvtierError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}")
+    _require_one_of("dtype", dtype, DTYPES)
     if device.startswith("cuda"):
         return "bfloat16"
     from kvtier.host_cpu import host_cpu
@@ -220,11 +211,16 @@ def resolve_prefill_attention(
     engine falls back to torch's)."""
     if choice == "kernel" or choice == "torch":
         return choice
-    if choice != "auto":
-        raise KvtierError(f"prefill_attention must be 'auto', 'kernel' or 'torch', got {choice!r}")
+    _require_one_of("prefill_attention", choice, PREFILL_ATTENTIONS)
     from kvtier.host_cpu import host_cpu
 
     return "torch" if (cpu or host_cpu()).amx else "kernel"
+
+
+def _require_one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        allowed = ", ".join(f"'{c}'" for c in choices[:-1]) + f" or '{choices[-1]}'"
+        raise KvtierError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _require_positive_int(name: str, value: object) -> None:
