@@ -23,8 +23,12 @@ def calibrate(*argv: str) -> int:
 def test_calibrate_times_the_engine_and_writes_a_profile_that_loads(tmp_path, capsys):
     out = tmp_path / "mine.toml"
     tiny = ("--prefill", "16@0,48@0,32@64", "--decode", "1x32,4x32,2x96", "--repeats", "1")
-    assert calibrate(*tiny, "--name", "mine", "--out", str(out)) == 0
+    # torch's attention runs everywhere; the profile says which attention it prices
+    assert (
+        calibrate(*tiny, "--name", "mine", "--out", str(out), "--prefill-attention", "torch") == 0
+    )
     printed = capsys.readouterr().out
+    assert "prefill attention by torch) on this machine" in printed
     assert "prefill 32 after 64" in printed and "decode batch 4 at" in printed
     assert "fit error: mean |error|" in printed and f"wrote {out}" in printed
     profile = load_profile(str(out))
@@ -38,6 +42,7 @@ def test_calibrate_times_the_engine_and_writes_a_profile_that_loads(tmp_path, ca
     assert paths["host"].read.bandwidth > 0 and paths["disk"].write.bandwidth > 0
     assert not paths["disk"].duplex and paths["host"].duplex
     assert "kvtier calibrate" in profile.description and "PLACEHOLDER" not in str(profile.sources)
+    assert "prefill attention by torch" in profile.description
     assert "calibrated profile" not in printed  # --out elsewhere: lookup does not change
 
 
@@ -92,3 +97,29 @@ def test_link_fit_solves_latency_and_bandwidth_from_two_sizes():
 def test_bad_input_is_one_clear_error(tmp_path, argv, message):
     with pytest.raises(KvtierError, match=message.replace("|", r"\|")):
         calibrate("--out", str(tmp_path / "p.toml"), *argv)
+
+
+@pytest.mark.parametrize("source", ["file", "environment", "flag"])
+def test_calibrate_times_the_prefill_attention_the_server_is_configured_with(
+    tmp_path, monkeypatch, source
+):
+    """The [scheduling] key reaches calibrate's engine from each place `kvtier serve` reads it:
+    the kernel by name in float32 is refused by the engine itself, before any step is timed."""
+    argv = ["--dtype", "float32", "--out", str(tmp_path / "p.toml")]
+    if source == "file":
+        config = tmp_path / "kvtier.toml"
+        config.write_text('[scheduling]\nprefill_attention = "kernel"\n')
+        argv += ["--config", str(config)]
+    elif source == "environment":
+        monkeypatch.setenv("KVTIER_SCHEDULING__PREFILL_ATTENTION", "kernel")
+    else:
+        argv += ["--prefill-attention", "kernel"]
+    with pytest.raises(KvtierError, match="prefill_attention 'kernel' is not available here"):
+        calibrate(*argv)
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_a_bad_scheduling_value_from_the_environment_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_SCHEDULING__PREFILL_ATTENTION", "amx")
+    with pytest.raises(KvtierError, match="prefill_attention"):
+        calibrate("--out", str(tmp_path / "p.toml"))

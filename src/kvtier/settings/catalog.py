@@ -86,7 +86,8 @@ TABLES: dict[str, Table] = {
         Table(
             "scheduling",
             "the device KV pool, the batch and the running set, what counts as resumed",
-            "`kvtier serve`, `bench`, `simulate`, `config show`",
+            "`kvtier serve`, `bench`, `simulate`, `config show`, `calibrate` (`prefill_attention`, "
+            "`deterministic`)",
             "kvtier.engine.config:EngineConfig",
         ),
         Table(

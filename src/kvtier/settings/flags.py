@@ -89,6 +89,16 @@ def add_table_arguments(
     )
 
 
+def add_key_flags(parser: argparse.ArgumentParser, table: str, keys: Sequence[str]) -> None:
+    """Only `keys`' dedicated flags of the table (no --<table>-set): for a command that reads
+    just those keys of the table, as `kvtier calibrate` reads the two that change a step's
+    time."""
+    group = parser.add_argument_group(GROUP_TITLES[table])
+    rows = {row.key: row for row in settings_of(table)}
+    for key in keys:
+        _add_flag(group, rows[key], None)
+
+
 def flag_values(args: argparse.Namespace, table: str) -> dict[str, Any]:
     """The table's dedicated flags as given (absent ones: None)."""
     if table == "policy":

@@ -5,7 +5,10 @@ Times prefill and decode steps of the embedded model (or --model) and the host a
 copies (`kvtier.sim.calibrate`), fits per-step and per-sequence overheads and the compute and
 memory rates (`kvtier.sim.fit`), prints each point's fit error and writes a profile TOML to
 $KVTIER_CACHE/profiles/<name>.toml, which `load_profile(<name>)` prefers over the bundled
-file. Run it alone: other work on the cores slows every step it times.
+file. Run it alone: other work on the cores slows every step it times. It reads the two
+[scheduling] keys that change a step's time, `prefill_attention` and `deterministic`, from the
+same kvtier.toml and environment as `kvtier serve` (or --prefill-attention, --deterministic),
+so the profile prices the engine the server runs.
 
 Examples:
   kvtier calibrate --quick                      # ~1 min: the shapes the demo workload runs
@@ -24,14 +27,17 @@ from pathlib import Path
 
 from kvtier.engine.config import DTYPE_HELP
 from kvtier.errors import KvtierError
+from kvtier.settings.flags import add_config_argument, add_key_flags, from_args
 from kvtier.workload.flags import add_hidden_alias
 
 DEFAULT_NAME = "local-cpu"
+# the [scheduling] keys that change what a step costs; the plan sizes the rest itself
+ENGINE_TIMING_KEYS = ("prefill_attention", "deterministic")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = __doc__.split("\n", 9)[9]
+    parser.epilog = __doc__.split("\n", 12)[12]
     parser.add_argument("--quick", action="store_true", help="fewer points and repeats (~1 min)")
     parser.add_argument("--model", metavar="DIR", help="model folder (default: embedded SmolLM2)")
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -63,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", metavar="PATH", help="profile file (default $KVTIER_CACHE/profiles/NAME.toml)"
     )
     parser.add_argument("--no-links", action="store_true", help="keep the base profile's links")
+    add_config_argument(parser)
+    add_key_flags(parser, "scheduling", ENGINE_TIMING_KEYS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise KvtierError(f"--dtype must be auto, bfloat16 or float32, not {args.dtype!r}")
     dtype = EngineConfig(dtype=args.dtype).resolved_dtype()
+    scheduling = from_args(args, ["scheduling"], engine_tiers=False).scheduling
+    timing = {key: scheduling[key] for key in ENGINE_TIMING_KEYS if key in scheduling}
     model_dir = resolve_model_dir(args.model)
     geometry = load_geometry(str(model_dir))
     token_bytes = int(geometry.bytes_per_token("bf16")) * (2 if dtype == "float32" else 1)
@@ -103,10 +113,12 @@ def run(args: argparse.Namespace) -> int:
             model_dir=args.model,
             dtype=dtype,
             num_threads=args.threads,
+            **timing,
             **engine_settings(plan, token_bytes),
         )
     )
-    print(f"calibrating {model_dir.name} ({dtype}, {args.threads} thread(s)) on this machine")
+    engine_words = f"{dtype}, {args.threads} thread(s), {_attention_words(engine.config)}"
+    print(f"calibrating {model_dir.name} ({engine_words}) on this machine")
     block_bytes = engine.kv_pool.bytes_per_block
     _warm_up(engine)
     measurements = measure_engine(engine, plan, progress=lambda line: print("  " + line))
@@ -145,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         update={
             "description": (
                 f"{platform.node() or 'this machine'} ({_cpu_count()} cores), "
-                f"{geometry.name} {dtype} on {args.threads} thread(s), fitted by "
+                f"{geometry.name} ({engine_words}), fitted by "
                 f"`{command}` on {when}"
             ),
             "sources": [
@@ -170,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
             f"{out.parent} are preferred over the bundled ones)"
         )
     return 0
+
+
+def _attention_words(config) -> str:
+    """Who computed the prefill attention the profile prices, as the server's startup line
+    says it (the two differ in speed; deterministic mode is a third kernel)."""
+    words = f"prefill attention by {config.prefill_attention}"
+    return words + ", deterministic" if config.deterministic else words
 
 
 def _points(text: str, sep: str, flag: str, example: str) -> tuple[tuple[int, int], ...]:
