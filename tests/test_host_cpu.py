@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.engine.config import EngineConfig, resolve_dtype, resolve_prefill_attention
+from kvtier.engine.config import EngineConfig, resolve_dtype
 from kvtier.errors import KvtierError
 from kvtier.host_cpu import HostCpu, host_cpu
 
@@ -87,19 +87,3 @@ def test_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it(tmp_path, cpus)
     with pytest.raises(KvtierError, match="dtype must be 'auto'"):
         EngineConfig(dtype="fp8")  # type: ignore[arg-type]
     assert EngineConfig().dtype == "auto"
-
-
-def test_prefill_attention_auto_is_torch_only_on_a_cpu_with_amx(tmp_path, cpus):
-    """torch's flash attention runs its products on the AMX tiles; kvtier's kernel does not."""
-    assert resolve_prefill_attention("auto", cpus["amx"]) == "torch"
-    assert resolve_prefill_attention("auto", cpus["avx512_bf16"]) == "kernel"
-    # the kernel cannot run there, so the engine settles on torch's (test_prefill_choice.py)
-    assert resolve_prefill_attention("auto", cpus["avx2"]) == "kernel"
-    assert resolve_prefill_attention("auto", host_cpu(tmp_path / "missing")) == "kernel"
-    for explicit in ("kernel", "torch"):  # a named one is kept on any host
-        for cpu in cpus.values():
-            assert resolve_prefill_attention(explicit, cpu) == explicit
-    with pytest.raises(KvtierError, match="prefill_attention must be 'auto', 'kernel' or 'torch'"):
-        resolve_prefill_attention("amx", cpus["amx"])
-    with pytest.raises(KvtierError, match="prefill_attention must be 'auto'"):
-        EngineConfig(prefill_attention="flash")  # type: ignore[arg-type]

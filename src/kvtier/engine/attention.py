@@ -9,8 +9,8 @@ from position 0, two flash-attention calls merged by their log-sum-exp: its quer
 the keys before the stretch (all visible: no mask at all) and against the stretch's keys (a
 square, so plain `is_causal` skips the future half); see `_prefill_split` (bf16 with
 head_dim 64 on an AVX512_BF16 CPU: both calls by the kernel of engine/prefill_attention.py
-instead of torch's flash attention, unless `EngineConfig.prefill_attention` settles on torch's,
-as "auto" does on a CPU with AMX tiles). Elsewhere, or
+instead of torch's flash attention, unless `EngineConfig.prefill_attention` names torch's).
+Elsewhere, or
 when an observer must see the chunk's keys, the chunk is split along the query axis with
 additive causal masks, so that query rows never multiply against keys that lie in their
 future (a causal mask alone still pays for those products).
@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.engine import prefill_attention
-from kvtier.engine.config import resolve_prefill_attention
 from kvtier.engine.hooks import AttentionObserver
 from kvtier.engine.kv_pool import KVPool, SlotPlan
 from kvtier.engine.quant_pool import QuantizedKVPool, WritePlan
@@ -301,7 +300,8 @@ class PagedAttention:
         (benchmarks/prefill_attention.py), float32 partial outputs, and each row's bits
         independent of the rows beside it, so it needs no zero queries in front (the
         stretch's earlier keys still come from the pool). `prefill_kernel` False keeps
-        `_flash` (on a CPU with AMX, torch packs K/V for its tiles).
+        `_flash` (on a CPU with AMX, torch packs K/V for its tiles in calls of at least 64
+        queries and keys).
         """
         n = q.shape[0]
         start = span.past_len  # position of the chunk's first row
@@ -420,12 +420,16 @@ def settle_prefill_attention(
     choice: str, pool: KVPool | QuantizedKVPool, head_dim: int, deterministic: bool = False
 ) -> Literal["kernel", "torch"]:
     """What computes this pool's bf16 prefill attention: `EngineConfig.prefill_attention`
-    ("auto" decided for the CPU by `resolve_prefill_attention`) where it can run. The kernel
-    asked by name where it cannot is refused with the reason; asked by "auto", torch's runs
-    instead (every pool that is not bf16 on an AVX512_BF16 CPU). Settled once, at engine
-    start: the two round differently in the last bits, and no request may switch midway.
-    Deterministic mode computes every row by its own kernel (`deterministic_unavailable`
-    says where it cannot): "kernel" then, and "torch" asked by name is refused."""
+    where it can run. "auto" is the kernel wherever it runs, AMX CPUs included: it gives a
+    position's row the same bits whatever chunk computes it, which torch's flash attention
+    does not promise on AMX (it packs K/V for the tiles only in calls of at least 64 queries
+    and keys, and computes smaller ones by another gemm), and a restored turn answers as the
+    same turn recomputed only with that. Where the kernel cannot run (every pool that is not
+    bf16 on an AVX512_BF16 CPU), "auto" is torch's, and the kernel asked by name is refused
+    with the reason. Settled once, at engine start: the two round differently in the last
+    bits, and no request may switch midway. Deterministic mode computes every row by its own
+    kernel (`deterministic_unavailable` says where it cannot): "kernel" then, and "torch"
+    asked by name is refused."""
     if deterministic:
         if choice == "torch":
             raise KvtierError(
@@ -433,7 +437,7 @@ def settle_prefill_attention(
                 "kernel computes every row"
             )
         return "kernel"
-    if resolve_prefill_attention(choice) == "torch":
+    if choice == "torch":
         return "torch"
     why = prefill_kernel_unavailable(pool, head_dim)
     if why is None:

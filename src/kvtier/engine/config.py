@@ -117,14 +117,16 @@ class EngineConfig:
     paged_decode: bool = True
     # Who computes a bf16 prefill chunk's attention on the CPU (engine/attention.py
     # `_prefill_split`): kvtier's kernel (engine/prefill_attention.py: AVX512_BF16 dot
-    # products, twice torch's flash attention on a CPU without AMX) or torch's flash
-    # attention, which on a CPU with AMX packs K and V and runs both products on the AMX tiles
-    # (oneDNN's brgemm); see `resolve_prefill_attention`. The engine keeps what runs.
+    # products, twice torch's flash attention on a CPU without AMX, a row's bits the same in
+    # any chunk) or torch's flash attention, which on a CPU with AMX runs calls of at least 64
+    # queries and keys on the AMX tiles; see `settle_prefill_attention`. The engine keeps
+    # what runs.
     prefill_attention: PrefillAttention = setting(
         "auto",
-        help="bf16 prefill attention on CPU: kernel (kvtier's, AVX512_BF16 dot products), "
-        "torch (torch's flash attention, on AMX tiles where the CPU has them) or auto (torch "
-        "on a CPU with AMX, the kernel where it runs elsewhere)",
+        help="bf16 prefill attention on CPU: kernel (kvtier's, AVX512_BF16 dot products; a "
+        "row's bits the same whatever chunk computes it), torch (torch's flash attention, on "
+        "the AMX tiles where the CPU has them, in calls of 64 queries and keys or more) or "
+        "auto (the kernel where it runs, torch's elsewhere)",
         kind="string",
         choices=PREFILL_ATTENTIONS,
         flag=True,
@@ -199,22 +201,6 @@ def resolve_dtype(
     from kvtier.host_cpu import host_cpu
 
     return "bfloat16" if (cpu or host_cpu()).native_bf16 else "float32"
-
-
-def resolve_prefill_attention(
-    choice: str, cpu: HostCpu | None = None
-) -> Literal["kernel", "torch"]:
-    """`choice` with "auto" decided for this host's CPU: torch's flash attention on a CPU with
-    AMX, whose tiles it uses and kvtier's kernel does not (there transformers' `generate`,
-    torch's attention, prefilled 2K tokens 1.6x as fast as the engine with the kernel), the
-    kernel on any other CPU (where it cannot run, bf16 on AVX512_BF16 with a compiler, the
-    engine falls back to torch's)."""
-    if choice == "kernel" or choice == "torch":
-        return choice
-    _require_one_of("prefill_attention", choice, PREFILL_ATTENTIONS)
-    from kvtier.host_cpu import host_cpu
-
-    return "torch" if (cpu or host_cpu()).amx else "kernel"
 
 
 def _require_one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
