@@ -421,15 +421,15 @@ def settle_prefill_attention(
 ) -> Literal["kernel", "torch"]:
     """What computes this pool's bf16 prefill attention: `EngineConfig.prefill_attention`
     where it can run. "auto" is the kernel wherever it runs, AMX CPUs included: it gives a
-    position's row the same bits whatever chunk computes it, which torch's flash attention
-    does not promise on AMX (it packs K/V for the tiles only in calls of at least 64 queries
-    and keys, and computes smaller ones by another gemm), and a restored turn answers as the
-    same turn recomputed only with that. Where the kernel cannot run (every pool that is not
-    bf16 on an AVX512_BF16 CPU), "auto" is torch's, and the kernel asked by name is refused
-    with the reason. Settled once, at engine start: the two round differently in the last
-    bits, and no request may switch midway. Deterministic mode computes every row by its own
-    kernel (`deterministic_unavailable` says where it cannot): "kernel" then, and "torch"
-    asked by name is refused."""
+    position's row the same bits whatever chunk computes it, so KV a short chunk wrote equals
+    KV the same history recomputes. torch's flash attention does not promise that on AMX: it
+    packs K/V for the tiles only in calls of at least 64 queries and keys and computes
+    smaller ones by MKL's gemm. Where the kernel cannot run (every pool that is not bf16 on
+    an AVX512_BF16 CPU), "auto" is torch's, and the kernel asked by name is refused with the
+    reason. Settled once, at engine start: the two round differently in the last bits, and
+    no request may switch midway. Deterministic mode computes every row by its own kernel
+    (`deterministic_unavailable` says where it cannot): "kernel" then, and "torch" asked by
+    name is refused."""
     if deterministic:
         if choice == "torch":
             raise KvtierError(
