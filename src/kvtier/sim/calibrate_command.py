@@ -117,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
             **engine_settings(plan, token_bytes),
         )
     )
-    engine_words = f"{dtype}, {args.threads} thread(s), {_attention_words(engine.config)}"
+    # what was timed, in the words of `kvtier serve`'s startup line
+    engine_words = (
+        f"{dtype}{' (deterministic)' if engine.config.deterministic else ''}, "
+        f"{args.threads} thread(s), prefill attention by {engine.config.prefill_attention}"
+    )
     print(f"calibrating {model_dir.name} ({engine_words}) on this machine")
     block_bytes = engine.kv_pool.bytes_per_block
     _warm_up(engine)
@@ -182,13 +186,6 @@ def run(args: argparse.Namespace) -> int:
             f"{out.parent} are preferred over the bundled ones)"
         )
     return 0
-
-
-def _attention_words(config) -> str:
-    """Who computed the prefill attention the profile prices, as the server's startup line
-    says it (the two differ in speed; deterministic mode is a third kernel)."""
-    words = f"prefill attention by {config.prefill_attention}"
-    return words + ", deterministic" if config.deterministic else words
 
 
 def _points(text: str, sep: str, flag: str, example: str) -> tuple[tuple[int, int], ...]:
